@@ -1,0 +1,141 @@
+"""One measured point: parameters in, one flat record (a dict) out.
+
+The same function serves the CLI (`python -m kvlab measure`), the notebooks and every sweep, so a
+number in a figure always comes from here.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import gc
+import platform
+import subprocess
+from pathlib import Path
+
+import torch
+import transformers
+
+from . import __version__, theory
+from .caches import CACHES
+from .decode import PATTERNS, STRATEGIES, check_choice, generate
+from .memory import MemoryMeter
+from .models import build_config, check_device, default_device, is_hub_id, kv_bytes_per_token, parse_dtype, parse_overrides
+
+DEFAULTS = dict(preset="toy", overrides="", cache="inplace", pattern="fixed", strategy="greedy", batch=8,
+                prompt=64, new=512, restart_new=0, num_beams=4, device="auto", dtype="float32", seed=0,
+                chunk_limit=50, block_tokens=32, track_storages="auto")
+
+
+@functools.lru_cache(maxsize=1)
+def git_commit() -> str:
+    try:
+        root = Path(__file__).resolve().parent.parent
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def device_name(device: str) -> str:
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    if kind == "meta":
+        return "meta (no data)"
+    return platform.processor() or platform.machine()
+
+
+def provenance(device: str) -> dict:
+    return dict(device_name=device_name(device), torch_version=torch.__version__,
+                transformers_version=transformers.__version__, kvlab_version=__version__,
+                python_version=platform.python_version(), git_commit=git_commit(),
+                measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+
+
+def normalize(**params) -> dict:
+    """Fill defaults and check every choice and size, before anything is allocated."""
+    unknown = set(params) - set(DEFAULTS)
+    if unknown:
+        raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))}; valid: {', '.join(DEFAULTS)}")
+    p = {**DEFAULTS, **{k: v for k, v in params.items() if v is not None}}
+    check_choice("cache", p["cache"], CACHES)
+    check_choice("pattern", p["pattern"], PATTERNS)
+    check_choice("strategy", p["strategy"], STRATEGIES)
+    for key in ("batch", "prompt", "new", "num_beams", "chunk_limit", "block_tokens"):
+        p[key] = int(p[key])
+        if p[key] < 1:
+            raise ValueError(f"{key} must be a positive integer, got {p[key]}")
+    p["restart_new"] = int(p["restart_new"])
+    if p["restart_new"] < 0:
+        raise ValueError(f"restart_new must be zero or positive, got {p['restart_new']}")
+    if p["device"] == "auto":
+        p["device"] = default_device()
+    check_device(p["device"])
+    parse_dtype(p["dtype"])
+    if isinstance(p["overrides"], (list, tuple, dict)):
+        p["overrides"] = ",".join(f"{k}={v}" for k, v in parse_overrides(p["overrides"]).items())
+    if not is_hub_id(p["preset"]):
+        build_config(p["preset"], _override_list(p["overrides"]))  # raises on a bad preset or key
+    if p["track_storages"] == "auto":
+        p["track_storages"] = torch.device(p["device"]).type != "cuda"
+    p["track_storages"] = p["track_storages"] in (True, "true", "True", "1", 1)
+    return p
+
+
+def _override_list(text: str) -> list[str]:
+    return [item for item in (text or "").split(",") if item.strip()]
+
+
+def run_point(model=None, **params) -> dict:
+    """Measure one point and return its flat record. Pass `model` to reuse one already built."""
+    return measure(model, **params)[0]
+
+
+def measure(model=None, **params):
+    """Measure one point: (flat record, the meter's full report with timeline and split)."""
+    p = normalize(**params)
+    from .models import build_model
+    if model is None:
+        model = build_model(p["preset"], _override_list(p["overrides"]), p["device"], p["dtype"], p["seed"])
+    config = model.config
+    rows = p["batch"] * (p["num_beams"] if p["strategy"] == "beam" else 1)
+    generator = torch.Generator().manual_seed(p["seed"])
+    prompt = torch.randint(0, config.vocab_size, (p["batch"], p["prompt"]), generator=generator).to(p["device"])
+    options = dict(cache=p["cache"], pattern=p["pattern"], strategy=p["strategy"], num_beams=p["num_beams"],
+                   seed=p["seed"], cache_options=dict(chunk_limit=p["chunk_limit"], block_tokens=p["block_tokens"],
+                                                      max_cache_len=p["prompt"] + p["new"] + p["restart_new"]))
+    if p["strategy"] == "sample":
+        options.update(temperature=0.7, top_k=50, top_p=0.9)
+    gc.collect()
+    meter = MemoryMeter(p["device"], model, track_storages=p["track_storages"])
+    with meter:
+        first = generate(model, prompt, p["new"], meter=meter, **options)
+        seconds, generated = first.seconds, p["new"]
+        if p["restart_new"]:
+            # The caller still holds `first` (and so its cache) while the second call runs.
+            second = generate(model, first.tokens, p["restart_new"], past=first.cache, meter=meter, **options)
+            seconds, generated = seconds + second.seconds, generated + p["restart_new"]
+            del second
+        del first
+    report = meter.report()
+    kv_final = kv_bytes_per_token(config, rows, p["dtype"]) * (p["prompt"] + p["new"] + p["restart_new"])
+    predicted = theory.predict_overhead(config, **{k: p[k] for k in theory.POINT_KEYS})
+    record = dict(
+        preset=p["preset"], overrides=p["overrides"], cache=p["cache"], pattern=p["pattern"],
+        strategy=p["strategy"], batch=p["batch"], prompt=p["prompt"], new=p["new"],
+        restart_new=p["restart_new"], num_beams=p["num_beams"] if p["strategy"] == "beam" else 1,
+        device=p["device"], dtype=p["dtype"], meter=report.method,
+        baseline_bytes=report.baseline_bytes, peak_bytes=report.peak_bytes,
+        overhead_bytes=report.overhead_bytes, reserved_peak_bytes=report.reserved_peak_bytes,
+        storages_peak_bytes=report.storages_peak_bytes,
+        kv_final_bytes=kv_final, overhead_over_kv=round(report.overhead_bytes / kv_final, 4),
+        predicted_overhead_bytes=predicted,
+        prediction_error=round(report.overhead_bytes / predicted - 1, 4) if predicted else None,
+        kv_at_peak_bytes=report.at_peak["kv"] if p["track_storages"] else None,
+        logits_at_peak_bytes=report.at_peak["logits"] if p["track_storages"] else None,
+        other_at_peak_bytes=report.at_peak["other"] if p["track_storages"] else None,
+        seconds=round(seconds, 4), tokens_per_s=round(p["batch"] * generated / seconds, 2),
+        **provenance(p["device"]),
+    )
+    return record, report

@@ -1,0 +1,211 @@
+"""One memory meter for every device.
+
+CUDA: the caching allocator's own counters (peak allocated and peak reserved above a baseline).
+CPU and meta have no allocator counter, so we count the bytes of live tensor storages at operator
+granularity: a TorchDispatchMode sees every aten op's outputs, registers each new storage and
+notices through a weakref finalizer when it dies. (PyTorch's `torch.distributed._tools.mem_tracker`
+works this way but is private and documented as approximate; this one is small and exact.)
+
+Both give the peak, a per-decoding-step timeline (live bytes at each step's end and the peak inside
+it) and what was live at the peak, split into weights / kv / logits / other. Labels come from the
+caller: `meter.label(tensors, "kv")` names storages; the split is resolved when asked for.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+CATEGORIES = ("weights", "kv", "logits", "other")
+
+
+def _storages(tree):
+    for leaf in tree_leaves(tree):
+        if isinstance(leaf, torch.Tensor):
+            yield leaf.untyped_storage()
+
+
+class LiveStorageCounter(TorchDispatchMode):
+    """Counts the bytes of tensor storages created while it is active and still alive.
+
+    An aten op's output either aliases one of its inputs (views, in-place and out= ops) or is a
+    fresh allocation; only the latter is counted, so tensors that existed before (weights) are not.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._serials = itertools.count()
+        self.live: dict[int, tuple[int, int]] = {}  # storage key -> (serial, nbytes)
+        self.live_bytes = 0
+        self.peak_bytes = 0
+        self.peak_storages: list[tuple[int, int]] = []  # (serial, nbytes) of each storage live at the peak
+        self.step_peak_bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        inputs = None
+        for storage in _storages(out):
+            key = storage._cdata
+            nbytes = storage.nbytes()
+            if key in self.live:  # an input resized in place (resize_, out=): count the new size
+                serial, old = self.live[key]
+                if nbytes != old:
+                    self.live[key] = (serial, nbytes)
+                    self._add(nbytes - old)
+                continue
+            if inputs is None:
+                inputs = {s._cdata for s in _storages((args, kwargs))}
+            if key in inputs:
+                continue
+            self.live[key] = (next(self._serials), nbytes)
+            weakref.finalize(storage, self._free, key)
+            self._add(nbytes)
+        return out
+
+    def _add(self, nbytes: int):
+        self.live_bytes += nbytes
+        if self.live_bytes > self.step_peak_bytes:
+            self.step_peak_bytes = self.live_bytes
+        if self.live_bytes > self.peak_bytes:
+            self.peak_bytes = self.live_bytes
+            self.peak_storages = list(self.live.values())
+
+    def _free(self, key: int):
+        entry = self.live.pop(key, None)
+        if entry is not None:
+            self.live_bytes -= entry[1]
+
+    def serial_of(self, tensor: torch.Tensor):
+        entry = self.live.get(tensor.untyped_storage()._cdata)
+        return None if entry is None else entry[0]
+
+    def bytes_by_serial(self) -> dict[int, int]:
+        return {serial: nbytes for serial, nbytes in self.live.values()}
+
+
+@dataclass
+class StepMemory:
+    step: int
+    live_bytes: int  # above baseline, at the end of the step
+    peak_bytes: int  # above baseline, highest inside the step
+
+
+@dataclass
+class MemoryReport:
+    device: str
+    method: str  # "cuda-allocator" or "live-storages"
+    baseline_bytes: int
+    peak_bytes: int
+    reserved_peak_bytes: int | None
+    timeline: list[StepMemory] = field(default_factory=list)
+    at_peak: dict[str, int] = field(default_factory=dict)  # category -> bytes live at the peak
+    storages_peak_bytes: int | None = None  # live-storage count on CUDA, when tracked as a cross-check
+
+    @property
+    def overhead_bytes(self) -> int:
+        return self.peak_bytes - self.baseline_bytes
+
+
+class MemoryMeter:
+    """Measure one run: `with MemoryMeter(device, model) as meter: ...; meter.step() ...`.
+
+    On CUDA the peak comes from the allocator; set `track_storages=True` to also count live
+    storages there (slower: Python runs at every op) for the split at the peak and a cross-check.
+    """
+
+    def __init__(self, device="cpu", model: torch.nn.Module | None = None, track_storages: bool | None = None):
+        self.device = torch.device(device)
+        self.on_cuda = self.device.type == "cuda"
+        self.track_storages = (not self.on_cuda) if track_storages is None else track_storages
+        if not self.on_cuda and not self.track_storages:
+            raise ValueError("without CUDA the only meter is the live-storage counter")
+        self.weights = 0
+        if model is not None:
+            from .models import weight_bytes
+            self.weights = weight_bytes(model)
+        self.counter = LiveStorageCounter() if self.track_storages else None
+        self.labels: dict[int, str] = {}  # storage serial -> category
+        self.timeline: list[StepMemory] = []
+        self._report: MemoryReport | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def __enter__(self):
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.baseline = torch.cuda.memory_allocated(self.device)
+            self._step_start_peak = 0
+        else:
+            self.baseline = self.weights
+        if self.counter is not None:
+            self.counter.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        if self.counter is not None:
+            self.counter.__exit__(*exc)
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)
+        self._report = self._make_report()
+        return False
+
+    # -- during the run ----------------------------------------------------------------------
+    def live_bytes(self) -> int:
+        """Bytes live now, above the baseline."""
+        if self.on_cuda:
+            return torch.cuda.memory_allocated(self.device) - self.baseline
+        return self.counter.live_bytes
+
+    def step(self):
+        """Close one decoding step: record live bytes now and the peak since the last step."""
+        if self.on_cuda:
+            torch.cuda.synchronize(self.device)
+            peak = torch.cuda.max_memory_allocated(self.device) - self.baseline
+            self.cuda_peak = max(getattr(self, "cuda_peak", 0), peak)
+            self.reserved_peak = max(getattr(self, "reserved_peak", 0), torch.cuda.max_memory_reserved(self.device))
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            peak = self.counter.step_peak_bytes
+        live = self.live_bytes()
+        self.timeline.append(StepMemory(len(self.timeline), live, peak))
+        if self.counter is not None:
+            self.counter.step_peak_bytes = self.counter.live_bytes
+
+    def label(self, tensors, category: str):
+        """Name the storages behind `tensors` (any nesting of tensors) as `category`."""
+        if category not in CATEGORIES:
+            raise ValueError(f"unknown category {category!r}; choose one of: {', '.join(CATEGORIES)}")
+        if self.counter is None:
+            return
+        for leaf in tree_leaves(tensors):
+            if isinstance(leaf, torch.Tensor):
+                serial = self.counter.serial_of(leaf)
+                if serial is not None:
+                    self.labels.setdefault(serial, category)
+
+    # -- results -----------------------------------------------------------------------------
+    def report(self) -> MemoryReport:
+        if self._report is None:
+            raise RuntimeError("the meter's report is ready once its `with` block has ended")
+        return self._report
+
+    def _make_report(self) -> MemoryReport:
+        at_peak = {"weights": self.weights, "kv": 0, "logits": 0, "other": 0}
+        storages_peak = None
+        if self.counter is not None:
+            for serial, nbytes in self.counter.peak_storages:
+                at_peak[self.labels.get(serial, "other")] += nbytes
+            storages_peak = self.counter.peak_bytes
+        if self.on_cuda:
+            peak = max(getattr(self, "cuda_peak", 0),
+                       torch.cuda.max_memory_allocated(self.device) - self.baseline)
+            reserved = max(getattr(self, "reserved_peak", 0), torch.cuda.max_memory_reserved(self.device))
+            return MemoryReport(str(self.device), "cuda-allocator", self.baseline, self.baseline + peak,
+                                reserved, self.timeline, at_peak, storages_peak)
+        return MemoryReport(str(self.device), "live-storages", self.baseline,
+                            self.baseline + self.counter.peak_bytes, None, self.timeline, at_peak)
