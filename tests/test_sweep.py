@@ -1,0 +1,161 @@
+"""The sweep runner: resume after a kill, failures as rows, bad grids refused up front, the CSV schema.
+
+Every point is tiny (one layer, batch 1, prompt 8, 4 new tokens); the cost is papermill starting a
+fresh kernel per point, a few seconds each.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvlab import sweep
+from kvlab.experiment import DEFAULTS
+
+ROOT = Path(__file__).resolve().parent.parent
+TINY = dict(preset="toy", overrides="num_hidden_layers=1", batch=1, prompt=8, new=4, device="cpu")
+# vocab_size 10**12 asks the allocator for ~1 PB for the embedding: a real out-of-memory, at once.
+TOO_BIG = "num_hidden_layers=1,vocab_size=1000000000000"
+
+
+def sweep_command(out, *grid):
+    args = [sys.executable, "-m", "kvlab.sweep", "--out", str(out)]
+    for key, value in {**TINY, **dict(grid)}.items():
+        args += ["--grid", f"{key}={value}"]
+    return args
+
+
+def rows_of(path):
+    return sweep.load_results(path)
+
+
+def test_grid_items_parse():
+    assert sweep.parse_grid_item("new=4,8") == ("new", [4, 8])
+    assert sweep.parse_grid_item("cache=legacy") == ("cache", ["legacy"])
+    assert sweep.parse_grid_item("overrides=num_hidden_layers=1,vocab_size=500") == \
+        ("overrides", ["num_hidden_layers=1,vocab_size=500"])
+
+
+def test_grid_groups_set_parameters_together():
+    points = sweep.expand({"batch": 1}, {"design": [{"cache": "legacy", "pattern": "legacy"},
+                                                     {"cache": "inplace", "pattern": "fixed"}], "new": [4, 8]})
+    assert len(points) == 4
+    assert {(p["cache"], p["pattern"], p["new"]) for p in points} == {
+        ("legacy", "legacy", 4), ("legacy", "legacy", 8), ("inplace", "fixed", 4), ("inplace", "fixed", 8)}
+    assert all(p["batch"] == 1 for p in points)
+
+
+@pytest.mark.parametrize("grid, message", [
+    (["--grid", "colour=red,blue"], "valid"),                   # unknown key: names the valid keys
+    (["--grid", "cache=legacy,tuple"], "choose one of"),        # unknown cache: names the designs
+    (["--grid", "new=4,0"], "positive"),                        # non-positive size
+    (["--grid", "batch=-1"], "positive"),
+    (["--grid", "new"], "key=v1,v2"),                            # malformed
+    (["--grid", "new=4,,8"], "key=v1,v2"),
+    (["--file", "no-such-sweep"], "cpu-default"),               # names the shipped sweeps
+])
+def test_bad_grid_exits_before_running(tmp_path, capsys, grid, message):
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as exit_info:
+        sweep.main(["--out", str(out), *grid])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip()
+    assert len(error.splitlines()) == 1 and error.startswith("kvlab sweep: error:") and message in error
+    assert not out.exists()  # nothing ran, nothing written
+
+
+def test_bad_grid_from_the_command_line(tmp_path):
+    result = subprocess.run(sweep_command(tmp_path / "out", ("cache", "inplace,tuple")), cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert "unknown cache 'tuple'" in result.stderr and "legacy, list, inplace, static, prealloc" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_shipped_sweep_by_name_from_the_cli(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "kvlab", "sweep", "cpu-default", "--dry-run"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "14 points" in result.stdout
+
+
+def test_shipped_sweeps_are_valid():
+    for path in sorted(sweep.SWEEPS_DIR.glob("*.yaml")):
+        fixed, grid = sweep.load_sweep(path)
+        points = sweep.expand(fixed, grid)
+        assert points, path.name
+        for point in points:
+            if point.get("device") == "cuda":
+                point = dict(point, device="meta")  # CUDA is absent here; the rest must still validate
+            sweep.validate([point])
+
+
+@pytest.mark.slow
+def test_resume_after_kill_gives_one_row_per_point(tmp_path):
+    out = tmp_path / "resume"
+    command = sweep_command(out, ("cache", "legacy,inplace"), ("new", "4,5"))
+    results = out / "results.csv"
+    first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                             start_new_session=True)  # its own process group: the kernels die with it
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and first.poll() is None:
+            if results.exists() and len(rows_of(results)) >= 1:
+                break
+            time.sleep(0.5)
+        assert first.poll() is None, "the sweep ended before it could be killed"
+        time.sleep(2)  # well inside the second point
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)
+        first.wait()
+    written = len(rows_of(results))
+    assert 1 <= written < 4
+
+    second = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert f"{written} of 4 points already in" in second.stderr
+    table = rows_of(results)
+    assert len(table) == 4 and table["point_id"].is_unique
+    assert (table["status"] == "ok").all()
+    assert sorted(zip(table["cache"], table["new"])) == [("inplace", 4), ("inplace", 5), ("legacy", 4), ("legacy", 5)]
+    assert len(list((out / "notebooks").glob("*.ipynb"))) == 4
+
+    third = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert third.returncode == 0 and "4 of 4 points already in" in third.stderr
+    assert len(rows_of(results)) == 4
+
+
+@pytest.mark.slow
+def test_out_of_memory_point_is_a_row_and_the_sweep_goes_on(tmp_path):
+    out = tmp_path / "oom"
+    points = [dict(TINY, overrides=TOO_BIG), dict(TINY, cache="legacy", pattern="legacy")]
+    table = sweep.run_sweep(points, out, progress=False)
+
+    # The schema: fixed columns in a fixed order, sweep provenance first, every parameter, every record field.
+    assert list(table.columns) == sweep.COLUMNS
+    assert set(DEFAULTS) <= set(table.columns)
+    for field in ("overhead_bytes", "kv_final_bytes", "overhead_over_kv", "predicted_overhead_bytes",
+                  "tokens_per_s", "device_name", "git_commit", "measured_at", "torch_version"):
+        assert field in table.columns
+
+    assert list(table["status"]) == ["oom", "ok"]
+    failed, measured = table.iloc[0], table.iloc[1]
+    assert "can't allocate memory" in failed["error"] and failed["overrides"] == TOO_BIG
+    assert (out / failed["notebook"]).exists()  # the executed notebook shows the traceback
+    assert measured["overhead_bytes"] > 0 and measured["kv_final_bytes"] > 0
+    assert measured["overhead_over_kv"] == pytest.approx(measured["overhead_bytes"] / measured["kv_final_bytes"], abs=1e-3)
+    assert measured["device"] == "cpu" and measured["pattern"] == "legacy"
+
+    # A rerun retries only the failed point and replaces its row instead of adding one.
+    table = sweep.run_sweep(points, out, progress=False)
+    assert list(table["status"]) == ["ok", "oom"] and table["point_id"].is_unique
+
+
+def test_failure_status():
+    assert sweep.failure_status("OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.00 GiB") == "oom"
+    assert sweep.failure_status("RuntimeError", "DefaultCPUAllocator: can't allocate memory") == "oom"
+    assert sweep.failure_status("ValueError", "unknown cache") == "failed"
