@@ -1,0 +1,136 @@
+"""Small helpers the notebooks share: device choice, a bytes-written counter, tables and figures.
+
+Everything here is presentation or bookkeeping around `kvlab.experiment` / `kvlab.memory`; the
+measurements themselves come from those modules.
+"""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .models import default_device
+
+MIB = 2**20
+CATEGORY_COLORS = {"weights": "tab:gray", "kv": "tab:blue", "logits": "tab:orange", "other": "tab:green"}
+
+
+def resolve_device(device: str = "auto") -> str:
+    """`"auto"` → CUDA when present, else CPU; anything else is passed through."""
+    return default_device() if device in (None, "", "auto") else device
+
+
+# -- counting bytes written ------------------------------------------------------------------------
+NO_WRITE = ("empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like")
+
+
+class BytesWritten(TorchDispatchMode):
+    """Sum of the bytes every aten op writes while active.
+
+    An op's output is either a fresh tensor (written in full: `cat`, `clone`, `index_select`), an
+    input it modified in place (`copy_`, `add_`, `out=`: the bytes of that tensor or view are
+    written), or a view (`slice`, `view`: nothing is written). The op's schema says which.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+        self.by_op: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in NO_WRITE:
+            return out
+        written = 0
+        outputs = out if isinstance(out, (tuple, list)) else (out,)
+        for ret, value in zip(func._schema.returns, outputs):
+            alias = ret.alias_info
+            if alias is not None and not alias.is_write:
+                continue  # a view: no bytes move
+            for leaf in tree_leaves(value):
+                if isinstance(leaf, torch.Tensor):
+                    written += leaf.numel() * leaf.element_size()
+        if written:
+            self.bytes += written
+            name = func.overloadpacket.__name__
+            self.by_op[name] = self.by_op.get(name, 0) + written
+        return out
+
+
+# -- tables ------------------------------------------------------------------------------------------
+def summary_table(records: list[dict], extra: tuple[str, ...] = ()) -> pd.DataFrame:
+    """The record fields a reader needs, bytes shown in MiB, one row per measured point."""
+    df = pd.DataFrame(records)
+    table = pd.DataFrame({key: df[key] for key in ("cache", "pattern", *extra) if key in df})
+    table["KV_MiB"] = (df["kv_final_bytes"] / MIB).round(2)
+    table["peak_above_weights_MiB"] = (df["overhead_bytes"] / MIB).round(2)
+    table["peak/KV"] = df["overhead_over_kv"].round(2)
+    table["seconds"] = df["seconds"].round(2)
+    return table
+
+
+def step_peaks(reports: dict, step: int) -> pd.Series:
+    """Peak inside one decoding step (MiB) for each labelled report."""
+    return pd.Series({name: report.timeline[step].peak_bytes / MIB for name, report in reports.items()},
+                     name=f"peak in step {step} (MiB)")
+
+
+# -- figures -----------------------------------------------------------------------------------------
+def plot_timelines(reports: dict, kv_bytes: int | None = None, title: str = "", ncols: int | None = None,
+                   ylabel: str = "memory above the weights (MiB)", kv_label: str = "final KV"):
+    """One panel per design: live bytes at each step's end and the peak inside the step (MiB).
+
+    `kv_bytes` draws reference lines at 1x and 2x that size, labelled `kv_label`.
+    """
+    names = list(reports)
+    ncols = ncols or min(len(names), 4)
+    nrows = -(-len(names) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 3.0 * nrows), sharey=True, squeeze=False)
+    for ax, name in zip(axes.flat, names):
+        timeline = reports[name].timeline
+        steps = [s.step for s in timeline]
+        ax.plot(steps, [s.peak_bytes / MIB for s in timeline], color="tab:red", marker=".", markersize=3,
+                linewidth=0.8, label="peak inside the step")
+        ax.plot(steps, [s.live_bytes / MIB for s in timeline], color="tab:blue", linewidth=1.6,
+                label="live at the step's end")
+        if kv_bytes:
+            for multiple in (1, 2):
+                ax.axhline(multiple * kv_bytes / MIB, color="grey", linestyle="--", linewidth=0.8)
+                ax.text(steps[-1], multiple * kv_bytes / MIB, f"{multiple}x {kv_label}", ha="right", va="bottom",
+                        color="grey", fontsize=7)
+        ax.set_title(name, fontsize=10)
+        ax.set_xlabel("decoding step")
+        ax.grid(alpha=0.3)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(ylabel)
+    for ax in list(axes.flat)[len(names):]:
+        ax.set_visible(False)
+    axes.flat[0].legend(fontsize=7, loc="upper left")
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+def plot_at_peak(reports: dict, title: str = "", include_weights: bool = False):
+    """Stacked horizontal bars: what was live at each design's peak, by category (MiB)."""
+    categories = ["weights", "kv", "logits", "other"] if include_weights else ["kv", "logits", "other"]
+    df = pd.DataFrame({name: {c: report.at_peak.get(c, 0) / MIB for c in categories}
+                       for name, report in reports.items()}).T
+    fig, ax = plt.subplots(figsize=(8, 0.5 * len(df) + 1.4))
+    left = pd.Series(0.0, index=df.index)
+    for category in categories:
+        ax.barh(df.index, df[category], left=left, color=CATEGORY_COLORS[category], label=category)
+        left += df[category]
+    ax.invert_yaxis()
+    ax.set_xlabel("bytes live at the peak (MiB)" + ("" if include_weights else ", weights excluded"))
+    ax.set_ylabel("cache / reference pattern")
+    ax.legend(loc="lower right", fontsize=8)
+    ax.grid(axis="x", alpha=0.3)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig, df.round(3)
