@@ -9,6 +9,7 @@ from __future__ import annotations
 import matplotlib.pyplot as plt
 import pandas as pd
 import torch
+from matplotlib.ticker import MaxNLocator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -80,7 +81,8 @@ def step_peaks(reports: dict, step: int) -> pd.Series:
 
 # -- figures -----------------------------------------------------------------------------------------
 def plot_timelines(reports: dict, kv_bytes: int | None = None, title: str = "", ncols: int | None = None,
-                   ylabel: str = "memory above the weights (MiB)", kv_label: str = "final KV"):
+                   ylabel: str = "memory above the weights (MiB)", kv_label: str = "final KV",
+                   xlabel: str = "decoding step (0 = the prompt's forward)"):
     """One panel per design: live bytes at each step's end and the peak inside the step (MiB).
 
     `kv_bytes` draws reference lines at 1x and 2x that size, labelled `kv_label`.
@@ -102,13 +104,14 @@ def plot_timelines(reports: dict, kv_bytes: int | None = None, title: str = "", 
                 ax.text(steps[-1], multiple * kv_bytes / MIB, f"{multiple}x {kv_label}", ha="right", va="bottom",
                         color="grey", fontsize=7)
         ax.set_title(name, fontsize=10)
-        ax.set_xlabel("decoding step")
+        ax.set_xlabel(xlabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
     for ax in axes[:, 0]:
         ax.set_ylabel(ylabel)
     for ax in list(axes.flat)[len(names):]:
         ax.set_visible(False)
-    axes.flat[0].legend(fontsize=7, loc="upper left")
+    axes.flat[0].legend(fontsize=7, loc="best")
     if title:
         fig.suptitle(title, fontsize=11)
     fig.tight_layout()
