@@ -50,6 +50,8 @@ RECORD_COLUMNS = [
 ]
 COLUMNS = SWEEP_COLUMNS + PARAMETER_COLUMNS + RECORD_COLUMNS
 STATUSES = ("ok", "oom", "failed")
+# The kernel's own log lines (unencrypted TCP, shutdown) would break the progress bar; errors reach the row.
+QUIET_KERNEL = ["--IPKernelApp.log_level=CRITICAL"]
 OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
 
 
@@ -107,7 +109,7 @@ def expand(fixed: dict | None = None, grid: dict | None = None) -> list[dict]:
 
 
 def validate(points: list[dict]) -> list[dict]:
-    """Every point normalized (defaults filled, choices checked) before anything runs."""
+    """Every point normalized (defaults filled, choices checked) before anything runs, each once."""
     if not points:
         raise ValueError("the sweep has no points")
     checked = []
@@ -116,7 +118,7 @@ def validate(points: list[dict]) -> list[dict]:
             checked.append(normalize(**point))
         except ValueError as error:
             raise ValueError(f"point {json.dumps(point)}: {error}") from None
-    return checked
+    return list({point_id(params): params for params in checked}.values())  # a grid may name a point twice
 
 
 def point_id(params: dict) -> str:
@@ -191,7 +193,25 @@ def load_results(path: str | os.PathLike):
     path = Path(path)
     if path.is_dir():
         path = path / "results.csv"
-    return pd.read_csv(path, keep_default_na=True, na_values=[""], dtype={"error": "string", "overrides": "string"})
+    table = pd.read_csv(path, dtype={"error": "string", "overrides": "string", "notebook": "string"})
+    return table.assign(overrides=table["overrides"].fillna(""))  # no overrides is "", as in a record
+
+
+def record_run(out: Path, command: str, points: int, counts: dict, started: datetime.datetime, device: str) -> dict:
+    """Append this run (command, machine, versions, commit, timing) to OUT/provenance.json."""
+    from .experiment import provenance
+    finished = datetime.datetime.now(datetime.timezone.utc)
+    run = dict(command=command, points_in_sweep=points, ran=counts,
+               started_at=started.isoformat(timespec="seconds"), finished_at=finished.isoformat(timespec="seconds"),
+               seconds=round((finished - started).total_seconds(), 1), device=device, **provenance(device),
+               cpu_count=os.cpu_count(), load_average=[round(x, 2) for x in os.getloadavg()])
+    run.pop("measured_at")
+    path = out / "provenance.json"
+    runs = json.loads(path.read_text())["runs"] if path.exists() else []
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps({"results": "results.csv", "runs": runs + [run]}, indent=1) + "\n")
+    os.replace(temporary, path)
+    return run
 
 
 # -- running -----------------------------------------------------------------------------------
@@ -232,7 +252,7 @@ def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = N
     try:
         papermill.execute_notebook(str(notebook), str(executed), parameters=dict(params, record_path=str(record_path)),
                                    kernel_name=kernel_name, progress_bar=False, log_output=False,
-                                   cwd=str(PACKAGE_DIR.parent))
+                                   cwd=str(PACKAGE_DIR.parent), extra_arguments=QUIET_KERNEL)
         row.update(json.loads(record_path.read_text()), status="ok", error=None)
     except Exception as error:  # a failed point is a row, not the end of the sweep
         name = getattr(error, "ename", type(error).__name__)
@@ -243,11 +263,12 @@ def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = N
 
 
 def run_sweep(points_or_grid, out, *, fixed: dict | None = None, notebook: str | os.PathLike | None = None,
-              kernel_name: str | None = None, progress: bool = True):
+              kernel_name: str | None = None, progress: bool = True, command: str | None = None):
     """Run every point not yet done; return the results table (pandas DataFrame) of the whole folder.
 
     `points_or_grid`: a list of parameter dicts, a grid {key: [values]} (product, on top of `fixed`),
     or the path / shipped name of a sweep file. Every point is validated before the first one runs.
+    Each run is logged in OUT/provenance.json with `command` (default: this call, spelled out).
     """
     from tqdm.auto import tqdm
 
@@ -267,22 +288,27 @@ def run_sweep(points_or_grid, out, *, fixed: dict | None = None, notebook: str |
     (out / "notebooks").mkdir(parents=True, exist_ok=True)
     (out / "records").mkdir(exist_ok=True)
     results = out / "results.csv"
-    unique = list({point_id(p): p for p in points}.values())  # a grid may name the same point twice
     done = done_point_ids(results)
-    todo = [p for p in unique if point_id(p) not in done]
-    if progress and len(todo) < len(unique):
-        print(f"{len(unique) - len(todo)} of {len(unique)} points already in {results}; running the other {len(todo)}",
+    todo = [p for p in points if point_id(p) not in done]
+    if progress and len(todo) < len(points):
+        print(f"{len(points) - len(todo)} of {len(points)} points already in {results}; running the other {len(todo)}",
               file=sys.stderr)
     counts = dict.fromkeys(STATUSES, 0)
-    with _kernel_can_import_kvlab(), tqdm(todo, desc=f"sweep {out.name}", unit="point", disable=not progress) as bar:
-        for params in bar:
-            bar.set_postfix_str(f"{params['cache']}/{params['pattern']} b{params['batch']} p{params['prompt']} "
-                                f"n{params['new']}")
-            row = run_one(params, out, notebook, kernel_name)
-            append_row(results, row)
-            counts[row["status"]] += 1
-            if row["status"] != "ok":
-                bar.write(f"{row['status']}: {point_label(params)}: {row['error']}")
+    started = datetime.datetime.now(datetime.timezone.utc)
+    try:
+        with _kernel_can_import_kvlab(), tqdm(todo, desc=f"sweep {out.name}", unit="point", disable=not progress) as bar:
+            for params in bar:
+                bar.set_postfix_str(f"{params['cache']}/{params['pattern']} b{params['batch']} p{params['prompt']} "
+                                    f"n{params['new']}")
+                row = run_one(params, out, notebook, kernel_name)
+                append_row(results, row)
+                counts[row["status"]] += 1
+                if row["status"] != "ok":
+                    bar.write(f"{row['status']}: {point_label(params)}: {row['error']}")
+    finally:  # an interrupted run is logged too, with what it managed
+        if any(counts.values()):
+            record_run(out, command or f"kvlab.sweep.run_sweep({points_or_grid!r}, {str(out)!r})", len(points),
+                       counts, started, points[0]["device"])
     if progress:
         print(f"{results}: " + ", ".join(f"{n} {status}" for status, n in counts.items()) + " this run", file=sys.stderr)
     return load_results(results)
@@ -313,6 +339,9 @@ def main(argv=None) -> None:
             key, values = parse_grid_item(item)
             fixed.pop(key, None)
             grid.pop(key, None)
+            for group, values_of_group in grid.items():  # also out of groups like `design: [{cache: ...}]`
+                grid[group] = [{k: v for k, v in value.items() if k != key} if isinstance(value, dict) else value
+                               for value in values_of_group]
             if len(values) == 1:
                 fixed[key] = values[0]
             else:
@@ -327,7 +356,8 @@ def main(argv=None) -> None:
                 print(point_id(params), point_label(params))
             print(f"{len(points)} points; results would go to {out / 'results.csv'}")
             return
-        run_sweep(points, out, notebook=args.notebook, kernel_name=args.kernel)
+        command = " ".join(["python -m kvlab sweep", *(argv if argv is not None else sys.argv[1:])])
+        run_sweep(points, out, notebook=args.notebook, kernel_name=args.kernel, command=command)
     except ValueError as error:
         print(f"kvlab sweep: error: {error}", file=sys.stderr)
         sys.exit(2)

@@ -4,6 +4,7 @@ Every point is tiny (one layer, batch 1, prompt 8, 4 new tokens); the cost is pa
 fresh kernel per point, a few seconds each.
 """
 
+import json
 import os
 import signal
 import subprocess
@@ -83,6 +84,13 @@ def test_shipped_sweep_by_name_from_the_cli(tmp_path):
     assert "14 points" in result.stdout
 
 
+def test_command_line_values_win_over_the_file(capsys):
+    sweep.main(["cpu-default", "--grid", "cache=inplace", "--grid", "new=64", "--dry-run"])
+    listing = capsys.readouterr().out
+    assert "7 points" not in listing and "2 points" in listing  # two patterns left, one size
+    assert "_inplace_legacy_" in listing and "_inplace_fixed_" in listing and "_n64_" in listing
+
+
 def test_shipped_sweeps_are_valid():
     for path in sorted(sweep.SWEEPS_DIR.glob("*.yaml")):
         fixed, grid = sweep.load_sweep(path)
@@ -151,8 +159,12 @@ def test_out_of_memory_point_is_a_row_and_the_sweep_goes_on(tmp_path):
     assert measured["device"] == "cpu" and measured["pattern"] == "legacy"
 
     # A rerun retries only the failed point and replaces its row instead of adding one.
-    table = sweep.run_sweep(points, out, progress=False)
+    table = sweep.run_sweep(points, out, progress=False, command="rerun")
     assert list(table["status"]) == ["ok", "oom"] and table["point_id"].is_unique
+
+    runs = json.loads((out / "provenance.json").read_text())["runs"]
+    assert [run["ran"] for run in runs] == [{"ok": 1, "oom": 1, "failed": 0}, {"ok": 0, "oom": 1, "failed": 0}]
+    assert runs[1]["command"] == "rerun" and runs[0]["device"] == "cpu" and runs[0]["git_commit"]
 
 
 def test_failure_status():
