@@ -40,9 +40,12 @@
 #     sweep    `python -m kvlab.sweep` on pr-batch.yaml with --grid preset=llama2-7b batch=24 new=200: 5 designs, each
 #              ≈ 18 s (fresh kernel, import, 7B build) + 200 × 0.09 s; 24 × 500 cached tokens = the
 #              cache of pr-batch's batch 5 × 2300 tokens, reached in a tenth of the steps        ≈ 190 s
-#   phase 2 (d) alone, until BUDGET_S - 20 s: llama2-7b, batch 64, prompt 300, N new tokens with N from the
-#     time left (≈ 120 s → N ≈ 450): the inplace cache copies the whole cache every step (64 × 750 tokens
-#     ≈ 23 GiB at the end), prealloc writes one token; with 2 × N steps ≈ 2 × 45 s
+#   phase 2 (d) alone, until BUDGET_S - 20 s: llama2-7b, batch 128, prompt 300, N new tokens, N from the
+#     time left and the step time phase 1 saw (≈ 120 s, ≈ 0.1-0.15 s per step → N ≈ 300-450; ≤ 1200 so that
+#     128 × 1500 tokens × 0.5 MiB ≈ 94 GiB of cache fits). The inplace cache copies the whole cache every
+#     step (128 × 750 tokens ≈ 47 GiB at the end: ≈ 20 ms of copying per step at 4.8 TB/s), prealloc writes
+#     one token; the batch is large so that the copies are not hidden behind the ≈ 80 ms of kernel launches
+#     of an eager step. 2 × N steps ≈ 2 × 45 s.
 #   final ≈ 5 s: records.csv, summary.md, sweep.tar.gz
 # Full PR-sized sweeps (pr-batch: 75 points of 2000 steps ≈ 2 h) do not fit a 15-minute lease.
 set -uo pipefail
@@ -123,6 +126,11 @@ if [[ "$DRY_RUN" == 1 ]]; then
         log "dry run: $LEGACY_TARGET has no transformers 4.40.1 (make legacy): the 4.40.1 jobs will be skipped"
     fi
 else
+    # Before anything is installed: never overwrite this checkout's .legacy-tf on a machine without a GPU.
+    if ! nvidia-smi -L >>"$LOG" 2>&1; then
+        log "FATAL: no NVIDIA GPU here (nvidia-smi -L failed); on a CPU use DRY_RUN=1"
+        exit 1
+    fi
     if ! check_wheelhouse 2>&1 | tee -a "$LOG"; then
         log "FATAL: build the wheelhouse with scripts/build_wheelhouse.sh and carry it"
         exit 1
@@ -223,8 +231,8 @@ else:
               "mistral-7b": dict(preset="mistral-7b", overrides="")}
     CHECK = dict(device="cuda", dtype="bfloat16", batch=8, prompt=300, new=500)
     SWEEP = ["--file", "pr-batch", "--grid", "preset=llama2-7b", "--grid", "batch=24", "--grid", "new=200"]
-    SPEED = dict(preset="llama2-7b", overrides="", device="cuda", dtype="bfloat16", batch=64, prompt=300,
-                 max_new=4000)
+    SPEED = dict(preset="llama2-7b", overrides="", device="cuda", dtype="bfloat16", batch=128, prompt=300,
+                 max_new=1200)  # 128 x 1500 x 0.5 MiB = 94 GiB of cache at most
     SWEEP_POINTS = 5
 if ENV.get("SPEED_MAX_NEW"):
     SPEED["max_new"] = int(ENV["SPEED_MAX_NEW"])
@@ -354,8 +362,20 @@ def short(r):
             f"storages {gib('storages_peak_bytes')} {UNIT_NAME}, {r.get('tokens_per_s')} tok/s")
 
 
+def free_gib():
+    """Free GPU memory (nvidia-smi, so this process never holds a CUDA context); a phase-1 lane needs ≤ 24 GiB."""
+    try:
+        text = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                              capture_output=True, text=True, timeout=20).stdout
+        return int(text.split()[0]) // 1024
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return 120
+
+
 def run_lanes(lanes, deadline):
-    parallel = int(ENV.get("MAX_PARALLEL") or (2 if DRY else len(lanes)))
+    parallel = int(ENV.get("MAX_PARALLEL") or (2 if DRY else min(len(lanes), max(1, free_gib() // 24))))
+    if parallel < len(lanes):
+        log(f"{len(lanes)} lanes, {parallel} at a time")
     gate = threading.Semaphore(parallel)
 
     def lane_thread(jobs):
@@ -377,7 +397,7 @@ def speed_job():
             if r.get("status") == "ok" and r.get("step") == "b" and r.get("cache") in ("inplace", "prealloc")
             and r.get("label") == "llama2-7b" and r.get("seconds")]
     step = max(seen) if seen else STEP_S  # phase 1 shared the GPU: an upper bound for a lone run at batch 8
-    step *= 1.0 if DRY else 1.3  # batch 64 reads a longer cache each step
+    step *= 1.0 if DRY else 1.3  # batch 128 reads and (inplace) copies a much larger cache each step
     budget = left - START_S - 10 - (2 * SPEED["prompt"] * SPEED["batch"] / 20000 if not DRY else 0)
     new = int(min(SPEED["max_new"], budget / (2 * step)) // 50 * 50) if not DRY else int(
         min(SPEED["max_new"], max(8, budget / (2 * step))))
@@ -423,8 +443,22 @@ def _number(text):
     return {"True": True, "False": False}.get(text, text)
 
 
+def gpu_monitor(stop):
+    """Every 30 s, the GPU's memory in use by all lanes together (an OOM in run.log is then explained)."""
+    while not stop.wait(30):
+        try:
+            used = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total,utilization.gpu",
+                                   "--format=csv,noheader"], capture_output=True, text=True, timeout=10).stdout
+            log(f"gpu: {used.strip()}")
+        except (OSError, subprocess.SubprocessError):
+            return
+
+
 def orchestrate():
     (OUT / "records.jsonl").write_text("")
+    stop = threading.Event()
+    if not DRY:
+        threading.Thread(target=gpu_monitor, args=(stop,), daemon=True).start()
     log(f"phase 1 (a, b, c, e) until +{PHASE1_END:.0f}s; phase 2 (d) until +{PHASE2_END:.0f}s; "
         f"planning with {STEP_S * 1000:.0f} ms per step")
     run_lanes(plan(), PHASE1_END)
@@ -438,6 +472,7 @@ def orchestrate():
         log("SKIPPED d-speed: too little time left")
     else:
         run_lanes({"speed": [job]}, PHASE2_END)
+    stop.set()
     write_summary()
     log("done")
 
@@ -468,14 +503,18 @@ def write_summary():
         else:
             lines.append(f"| {model} | {gib(ref[0]['overhead_bytes']) if ref else 'missing'} | "
                          f"{gib(emu[0]['overhead_bytes']) if emu else 'missing'} | - | - |")
+    # shared/DESIGN.md §2, H200, same point: 4.40.1 generate(), 5.17 generate() (DynamicCache), 5.17 StaticCache
+    design = {} if DRY else {("llama2-7b", "legacy-4.40.1"): 6.248, ("llama2-7b", "hf-generate"): 3.173,
+                             ("llama2-7b", "static"): 3.343, ("mistral-7b", "legacy-4.40.1"): 1.661,
+                             ("mistral-7b", "hf-generate"): 0.795, ("mistral-7b", "static"): 1.048}
     lines += ["", "## (a, b) every design at the check point", "",
-              "| model | cache | pattern | overhead | overhead / KV | predicted | tokens/s (shared GPU) |",
-              "|---|---|---|---|---|---|---|"]
+              "| model | cache | pattern | overhead | overhead / KV | predicted | DESIGN §2 | tokens/s (shared GPU) |",
+              "|---|---|---|---|---|---|---|---|"]
     for r in sorted(ok, key=lambda r: (str(r.get("label")), str(r.get("step")), str(r.get("cache")))):
         if r.get("step") in ("a", "b"):
             lines.append(f"| {r.get('label')} | {r.get('cache')} | {r.get('pattern')} | {gib(r.get('overhead_bytes'))} | "
                          f"{r.get('overhead_over_kv', '-')} | {gib(r.get('predicted_overhead_bytes'))} | "
-                         f"{r.get('tokens_per_s', '-')} |")
+                         f"{design.get((r.get('label'), r.get('cache')), '-')} | {r.get('tokens_per_s', '-')} |")
     lines += ["", "## (c) sweep subset (`python -m kvlab.sweep " + " ".join(SWEEP) + "`)", "",
               "| cache | pattern | batch | new | status | overhead | overhead / KV |", "|---|---|---|---|---|---|---|"]
     for r in records:

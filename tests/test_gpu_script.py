@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -108,3 +109,15 @@ def test_dry_run_needs_out(tmp_path):
     result = subprocess.run(["bash", str(SCRIPT), "--cpu"], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=60)
     assert result.returncode == 2 and "set OUT" in result.stderr
+
+
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a GPU machine: the real run would start")
+def test_gpu_mode_refuses_to_install_without_a_gpu(tmp_path):
+    marker = ROOT / ".legacy-tf" / "transformers-4.40.1.dist-info"
+    before = marker.exists() and marker.stat().st_mtime
+    env = dict(os.environ, OUT=str(tmp_path / "out"), SITE=str(tmp_path / "site"))
+    env.pop("DRY_RUN", None)
+    result = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 1 and "FATAL: no NVIDIA GPU" in result.stdout
+    assert not (tmp_path / "site").exists()
+    assert (marker.exists() and marker.stat().st_mtime) == before
