@@ -17,7 +17,8 @@
 #
 # Environment: OUT (required), DRY_RUN=1, BUDGET_S (seconds for the whole script, default 450 on the GPU),
 # WHEELHOUSE (default wheelhouse), SITE (default /tmp/site), PYTHON (default python3; dry run: .venv/bin/python),
-# STEP_S (seconds per decoding step assumed for planning, default 0.09 on the GPU), SWEEP_ARGS (replaces the
+# STEP_S (seconds per decoding step assumed for planning, default 0.09 on the GPU), PLAN=1 (print the plan and
+# its estimates, run nothing; works on any machine), SWEEP_ARGS (replaces the
 # `python -m kvlab.sweep` arguments of step c), SPEED_MAX_NEW (cap on step d's new tokens), MAX_PARALLEL (lanes
 # run at once), ONLY (comma-separated job-name prefixes to run, e.g. ONLY=a-emu,c-sweep,d; the rest is skipped).
 #
@@ -86,6 +87,8 @@ export PYTHONUNBUFFERED=1 OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} TOKENIZERS_PARAL
 export JUPYTER_PLATFORM_DIRS=1 JUPYTER_RUNTIME_DIR="$WORK/jupyter-runtime" MPLBACKEND=Agg
 log "h200_run: DRY_RUN=$DRY_RUN BUDGET_S=$BUDGET_S OUT=$OUT python=$PYTHON commit=$(git rev-parse --short=12 HEAD 2>/dev/null || echo unknown)"
 
+PLAN=${PLAN:-0}
+if [[ "$PLAN" != 1 ]]; then  # PLAN=1: print the plan (GPU or dry-run sizes, estimates, deadlines), run nothing
 # -- 1. wheels ---------------------------------------------------------------------------------------
 # The lock's pins, each exactly once in the wheelhouse (two versions of one package stop pip's install).
 check_wheelhouse() {
@@ -179,6 +182,7 @@ if [[ "$DRY_RUN" != 1 ]] && ! grep -q "^cuda available: True" "$OUT/env.txt"; th
 fi
 log "machine checked: $(grep -E '^(device|cuda available)' "$OUT/env.txt" | tr '\n' ' ')"
 
+fi
 # -- 3. the measurements -----------------------------------------------------------------------------
 cat > "$WORK/kvrun.py" <<'PY'
 """Orchestrator (lanes of jobs against a clock) and worker (one process, several points) for h200_run.sh."""
@@ -414,6 +418,19 @@ def speed_job():
     return job
 
 
+def print_plan():
+    print(f"{'GPU' if not DRY else 'dry run'}: budget {BUDGET:.0f}s, phase 1 until +{PHASE1_END:.0f}s, phase 2 (d) "
+          f"until +{PHASE2_END:.0f}s, {STEP_S * 1000:.0f} ms per step assumed; check point {CHECK}")
+    for lane, jobs in plan().items():
+        print(f"lane {lane}: ≈{sum(job['est'] for job in jobs):.0f}s")
+        for job in jobs:
+            what = " ".join(job["cmd"][3:]) if "cmd" in job else ", ".join(
+                f"{p['kind']}:{p.get('cache', '')}{'+storages' if p.get('track_storages') else ''}"
+                for p in job["spec"]["points"])
+            print(f"  {job['name']:28s} ≈{job['est']:4.0f}s  {what}")
+    print(f"phase 2: {SPEED}, new tokens from the time left")
+
+
 def read_records():
     path = OUT / "records.jsonl"
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -597,6 +614,9 @@ def worker(spec):
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         print("RECORD " + json.dumps(record, default=str), flush=True)
+        if record.get("status") == "ok" and record.get("seconds") and record.get("new"):
+            factor = 2.0 if params.get("track_storages") is True else 1.0  # plan the next point on what was seen
+            spec["step_s"] = max(spec["step_s"], record["seconds"] / record["new"] / factor)
         gc.collect()
 
 
@@ -639,9 +659,15 @@ def hf_generate(model, model_spec, params):
 if __name__ == "__main__":
     if sys.argv[1] == "worker":
         worker(json.loads(sys.argv[2]))
+    elif sys.argv[1] == "plan":
+        print_plan()
     else:
         orchestrate()
 PY
+if [[ "$PLAN" == 1 ]]; then
+    "$PYTHON" "$WORK/kvrun.py" plan
+    exit $?
+fi
 "$PYTHON" "$WORK/kvrun.py" orchestrate
 status=$?
 if (( status != 0 )); then
