@@ -130,8 +130,9 @@ if [[ "$DRY_RUN" == 1 ]]; then
     fi
 else
     # Before anything is installed: never overwrite this checkout's .legacy-tf on a machine without a GPU.
-    if ! nvidia-smi -L >>"$LOG" 2>&1; then
-        log "FATAL: no NVIDIA GPU here (nvidia-smi -L failed); on a CPU use DRY_RUN=1"
+    if ! nvidia-smi -L >>"$LOG" 2>&1 \
+        && ! "$PYTHON" -c "import sys, torch; sys.exit(not torch.cuda.is_available())" >>"$LOG" 2>&1; then
+        log "FATAL: no NVIDIA GPU here (nvidia-smi -L and torch.cuda both say none); on a CPU use DRY_RUN=1"
         exit 1
     fi
     if ! check_wheelhouse 2>&1 | tee -a "$LOG"; then
