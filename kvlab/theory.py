@@ -1,3 +1,179 @@
-POINT_KEYS = ("cache", "pattern", "strategy", "batch", "prompt", "new", "restart_new", "num_beams", "dtype", "chunk_limit", "block_tokens")
-def predict_overhead(config, **k):
-    return 0
+"""The analytic peak: bytes above the weights for one point, term by term.
+
+Nothing here is fitted to a measurement. Each decoding step is walked through its phases (cache
+update at the last layer, the MLP, the lm_head, a beam reorder) and the bytes alive in each phase
+are counted from shapes: the cache each design holds, the copies its update makes, the logits the
+pattern keeps, and the activations of one layer. The peak is the largest phase over all steps.
+
+Units: t = bytes of one layer's keys (or values) for one token = rows x kv_heads x head_dim x dtype;
+one token of the whole cache is 2 x layers x t.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .models import parse_dtype
+
+POINT_KEYS = ("cache", "pattern", "strategy", "batch", "prompt", "new", "restart_new", "num_beams", "dtype",
+              "chunk_limit", "block_tokens")
+INT64 = 8
+FP32 = 4
+
+
+class Shape:
+    """The sizes of one point that the byte counts need."""
+
+    def __init__(self, config, batch, dtype, strategy="greedy", num_beams=4):
+        self.rows = batch * (num_beams if strategy == "beam" else 1)
+        self.e = torch.empty((), dtype=parse_dtype(dtype)).element_size()
+        self.layers = config.num_hidden_layers
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.hidden = config.hidden_size
+        self.intermediate = config.intermediate_size
+        self.vocab = config.vocab_size
+        self.t = self.rows * self.kv_heads * self.head_dim * self.e
+        self.token = 2 * self.layers * self.t
+
+    def kv(self, length: int) -> int:
+        return self.token * length
+
+
+def _held(s: Shape, cache: str, length: int, capacity_of, max_len: int) -> int:
+    """Bytes the cache design holds for `length` tokens."""
+    if cache == "static":
+        return s.kv(max_len)
+    if cache == "prealloc":
+        return s.kv(capacity_of(length))
+    return s.kv(length)
+
+
+def _steps(prompt, new, restart_new):
+    """(call, tokens fed, cache length before, after) for every forward of the run."""
+    length, steps = 0, []
+    for call, count in ((0, new), (1, restart_new)):
+        for i in range(count):
+            fed = prompt if (call == 0 and i == 0) else 1
+            steps.append((call, fed, length, length + fed))
+            length += fed
+    return steps
+
+
+def peak_phases(config, cache="inplace", pattern="fixed", strategy="greedy", batch=8, prompt=64, new=512,
+                restart_new=0, num_beams=4, dtype="float32", chunk_limit=50, block_tokens=32):
+    """Every phase's bytes above the weights; returns (peak, the phase that makes it, its terms)."""
+    s = Shape(config, batch, dtype, strategy, num_beams)
+    tuple_cache, legacy = cache == "legacy", pattern == "legacy"
+    max_len = prompt + new + restart_new
+    capacity_of = lambda n: math.ceil(n / block_tokens) * block_tokens  # noqa: E731
+    groups = s.heads // s.kv_heads
+    held_after_first = prompt + new - 1  # the caller's tuple during a restart
+    chunks = 0
+    best = (-1, None, None)
+    prev_logits = 0  # legacy: the previous step's outputs (fp32 logits of every fed position)
+
+    for index, (call, fed, before, after) in enumerate(_steps(prompt, new, restart_new)):
+        first_of_call = index == 0 or (call == 1 and before == held_after_first)
+        persistent = {
+            "tokens and attention mask (int64)": 2 * s.rows * after * INT64,
+            "previous step's logits (legacy pattern)": prev_logits,
+        }
+        if tuple_cache and call == 1 and not first_of_call:
+            persistent["tuple the caller still holds (restart)"] = s.kv(held_after_first)
+        if tuple_cache and legacy and strategy == "beam" and before > 0:
+            persistent["un-reordered tuple held by outputs (beam)"] = s.kv(before)
+        old_tuple = s.kv(before) if tuple_cache else 0
+        held_after = _held(s, cache, after, capacity_of, max_len)
+        # Alive in the last layer: the embeddings, the residual stream, the normed input, q, k, v (and
+        # rotary cos/sin, batch 1). The model keeps `inputs_embeds` referenced for its whole forward.
+        hidden_states = 3 * s.rows * fed * s.hidden * s.e
+        rotary = 2 * fed * s.head_dim * s.e
+        layer_acts = hidden_states + s.rows * fed * (s.heads + 2 * s.kv_heads) * s.head_dim * s.e + rotary
+
+        # Phase: the last layer's cache update and attention.
+        update = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
+                  "activations of one layer": layer_acts}
+        if cache in ("inplace", "legacy") and not tuple_cache and before > 0:
+            update["old values tensor during its cat"] = s.t * before
+        if cache == "list":
+            chunks = 1 if index == 0 else chunks + 1
+            if chunks >= chunk_limit:
+                chunks = 1
+                update["consolidation: old chunks during the cat"] = s.t * after
+            elif chunks > 1:
+                update["keys and values concatenated for attention"] = 2 * s.t * after
+        if cache == "prealloc" and before > 0 and capacity_of(after) > capacity_of(before):
+            update["old values buffer during growth"] = s.t * capacity_of(before)
+        if legacy and groups > 1:
+            update["repeat_kv copies of one layer (legacy SDPA)"] = 2 * groups * s.t * (
+                max_len if cache == "static" else after)
+        phases = {"update": update}
+
+        # Phase: the MLP of the last layer (matters for the prompt only).
+        phases["mlp"] = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
+                         "gate, up and their product": 3 * s.rows * fed * s.intermediate * s.e,
+                         "embeddings, residual stream and normed input": hidden_states + s.rows * fed * s.hidden * s.e,
+                         "rotary cos and sin": rotary}
+        # Phase: the lm_head and, for the legacy pattern, the fp32 upcast of every position.
+        logits = s.rows * fed * s.vocab * s.e
+        phases["lm_head"] = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
+                             "logits of every fed position": logits,
+                             "fp32 upcast of those logits (legacy pattern)": s.rows * fed * s.vocab * FP32
+                             if legacy and s.e != FP32 else 0,
+                             "final hidden states": s.rows * fed * s.hidden * s.e}
+        # Phase: beam reorder after the forward.
+        if strategy == "beam":
+            if tuple_cache and legacy:
+                reorder = {"un-reordered tuple (held by outputs)": s.kv(after), "reordered tuple": s.kv(after)}
+            elif tuple_cache:
+                reorder = {"tuple": s.kv(after), "one reordered layer": 2 * s.t * after}
+            else:
+                reorder = {"cache": held_after, "one reordered tensor": s.t * (
+                    capacity_of(after) if cache == "prealloc" else max_len if cache == "static" else after)}
+            reorder["logits kept (legacy pattern)" if legacy else "next-token logits (fp32)"] = (
+                s.rows * fed * s.vocab * FP32 if legacy else s.rows * s.vocab * FP32)
+            phases["beam reorder"] = reorder
+
+        for name, terms in phases.items():
+            terms = {**persistent, **terms}
+            total = sum(terms.values())
+            if total > best[0]:
+                best = (total, f"step {index} ({'restart ' if call else ''}{name})", terms)
+        prev_logits = s.rows * fed * s.vocab * FP32 if legacy else 0
+    return best
+
+
+def predict_overhead(config, **point) -> int:
+    """The predicted peak bytes above the weights for one point (see `peak_phases`)."""
+    return int(peak_phases(config, **point)[0])
+
+
+def explain(config, **point) -> dict:
+    """The peak, where it happens and the terms that make it, for printing."""
+    total, where, terms = peak_phases(config, **point)
+    s = Shape(config, point.get("batch", 8), point.get("dtype", "float32"), point.get("strategy", "greedy"),
+              point.get("num_beams", 4))
+    kv_final = s.kv(point.get("prompt", 64) + point.get("new", 512) + point.get("restart_new", 0))
+    return {"predicted_overhead_bytes": int(total), "kv_final_bytes": kv_final,
+            "overhead_over_kv": round(total / kv_final, 4), "peak_at": where,
+            "terms_bytes": {k: int(v) for k, v in terms.items() if v}}
+
+
+def improvement_factors(config, batch=1, prompt=300, new=500, dtype="bfloat16"):
+    """The PR's bounds on legacy / fixed peak, for a config, batch and prompt.
+
+    Maximal: the cache dominates (many new tokens): the legacy peak holds two caches, the fix one.
+    Minimal: two new tokens, where the legacy peak is at step 2 (2 x prompt cache + the leaked
+    first-iteration logits) and the fix is bounded by the prompt's own forward.
+    """
+    point = dict(batch=batch, prompt=prompt, dtype=dtype)
+
+    def ratio(n):
+        return (predict_overhead(config, cache="legacy", pattern="legacy", new=n, **point)
+                / predict_overhead(config, cache="inplace", pattern="fixed", new=n, **point))
+
+    return ratio(2), ratio(max(new, 16 * prompt))
