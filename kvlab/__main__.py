@@ -54,7 +54,7 @@ def cmd_predict(args) -> None:
     from .experiment import normalize
     from .models import build_config
     p = normalize(**_point_params(args))
-    config = build_config(p["preset"], [o for o in p["overrides"].split(",") if o])
+    config = build_config(p["preset"], p["overrides"])
     print(json.dumps(theory.explain(config, **{k: p[k] for k in theory.POINT_KEYS}), indent=2))
 
 
@@ -99,7 +99,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["sweep"]:  # argparse's REMAINDER cannot start with an option: hand over directly
+        args = argparse.Namespace(command="sweep", rest=argv[1:], func=cmd_sweep)
+    else:
+        args = build_parser().parse_args(argv)
     try:
         args.func(args)
     except ValueError as error:

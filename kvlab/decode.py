@@ -49,8 +49,13 @@ LEGACY_ATTENTION = "kvlab_legacy_sdpa"
 
 def _legacy_sdpa(module, query, key, value, attention_mask, **kwargs):
     groups = getattr(module, "num_key_value_groups", 1)
-    return sdpa_attention_forward(module, query, repeat_kv(key, groups), repeat_kv(value, groups), attention_mask,
-                                  **kwargs)
+    # The copies are made here, so today's SDPA must not repeat (or pack) a second time.
+    module.num_key_value_groups = 1
+    try:
+        return sdpa_attention_forward(module, query, repeat_kv(key, groups), repeat_kv(value, groups),
+                                      attention_mask, **kwargs)
+    finally:
+        module.num_key_value_groups = groups
 
 
 AttentionInterface.register(LEGACY_ATTENTION, _legacy_sdpa)
@@ -155,6 +160,8 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "i
             if tuple_cache:
                 kv = step_cache.to_legacy_cache()  # the old tuple dies here, not before
             del step_cache, new_outputs
+            if meter is not None:  # before a beam reorder replaces them within this step
+                meter.label(cache_tensors(kv), "kv")
 
             if strategy == "greedy":
                 next_tokens = next_logits.argmax(dim=-1)

@@ -76,15 +76,11 @@ def normalize(**params) -> dict:
     if isinstance(p["overrides"], (list, tuple, dict)):
         p["overrides"] = ",".join(f"{k}={v}" for k, v in parse_overrides(p["overrides"]).items())
     if not is_hub_id(p["preset"]):
-        build_config(p["preset"], _override_list(p["overrides"]))  # raises on a bad preset or key
+        build_config(p["preset"], p["overrides"])  # raises on a bad preset or key
     if p["track_storages"] == "auto":
         p["track_storages"] = torch.device(p["device"]).type != "cuda"
     p["track_storages"] = p["track_storages"] in (True, "true", "True", "1", 1)
     return p
-
-
-def _override_list(text: str) -> list[str]:
-    return [item for item in (text or "").split(",") if item.strip()]
 
 
 def run_point(model=None, **params) -> dict:
@@ -97,7 +93,7 @@ def measure(model=None, **params):
     p = normalize(**params)
     from .models import build_model
     if model is None:
-        model = build_model(p["preset"], _override_list(p["overrides"]), p["device"], p["dtype"], p["seed"])
+        model = build_model(p["preset"], p["overrides"], p["device"], p["dtype"], p["seed"])
     config = model.config
     rows = p["batch"] * (p["num_beams"] if p["strategy"] == "beam" else 1)
     generator = torch.Generator().manual_seed(p["seed"])

@@ -78,9 +78,12 @@ def _parse_value(text: str):
 
 
 def parse_overrides(items) -> dict:
-    """`["num_hidden_layers=2", "vocab_size=500"]` or a dict → {key: typed value}."""
+    """`["num_hidden_layers=2", "vocab_size=500"]`, `"num_hidden_layers=2,vocab_size=500"` or a dict
+    → {key: typed value}."""
     if isinstance(items, dict):
         return dict(items)
+    if isinstance(items, str):
+        items = [item for item in items.split(",") if item.strip()]
     overrides = {}
     for item in items or []:
         key, sep, value = item.partition("=")
