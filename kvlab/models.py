@@ -51,7 +51,10 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def check_device(device: str) -> str:
-    kind = torch.device(device).type
+    try:
+        kind = torch.device(device).type
+    except RuntimeError:
+        kind = None
     if kind not in ("cpu", "cuda", "meta"):
         raise ValueError(f"unknown device {device!r}; choose one of: cpu, cuda, meta")
     if kind == "cuda" and not torch.cuda.is_available():

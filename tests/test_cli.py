@@ -1,0 +1,84 @@
+"""The command line: one JSON record per point, and bad input refused before any model is built."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kvlab.experiment import DEFAULTS
+
+RECORD_FIELDS = {"preset", "overrides", "cache", "pattern", "strategy", "batch", "prompt", "new", "device", "dtype",
+                 "baseline_bytes", "peak_bytes", "overhead_bytes", "reserved_peak_bytes", "kv_final_bytes",
+                 "predicted_overhead_bytes", "tokens_per_s", "torch_version", "transformers_version",
+                 "kvlab_version", "device_name", "git_commit"}
+
+
+def kvlab(*args):
+    return subprocess.run([sys.executable, "-m", "kvlab", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_measure_prints_one_flat_json_record():
+    result = kvlab("measure", "--batch", "2", "--prompt", "8", "--new", "6", "--cache", "prealloc", "--json",
+                   "--override", "num_hidden_layers=2")
+    assert result.returncode == 0, result.stderr
+    record = json.loads(result.stdout.strip().splitlines()[-1])
+    assert RECORD_FIELDS <= set(record)
+    assert all(not isinstance(value, (dict, list)) for value in record.values())
+    assert record["overrides"] == "num_hidden_layers=2"
+    assert record["overhead_bytes"] == record["peak_bytes"] - record["baseline_bytes"] > 0
+    assert record["kv_final_bytes"] == 2 * 2 * 2 * 4 * 64 * 4 * (8 + 6)  # 2 layers x K,V x batch x heads x dim x fp32
+
+
+BAD_INPUTS = [
+    (["--preset", "gpt5"], "toy, tinyllama-1.1b"),
+    (["--cache", "paged"], "legacy, list, inplace, static, prealloc"),
+    (["--pattern", "old"], "legacy, fixed"),
+    (["--strategy", "topk"], "greedy, sample, beam"),
+    (["--batch", "0"], "batch must be a positive integer"),
+    (["--new", "-5"], "new must be a positive integer"),
+    (["--prompt", "0"], "prompt must be a positive integer"),
+    (["--override", "num_layers=2"], "valid keys:"),
+    (["--override", "num_hidden_layers"], "key=value"),
+    (["--dtype", "int3"], "float32"),
+    (["--device", "tpu"], "cpu, cuda, meta"),
+]
+
+
+@pytest.mark.parametrize("args, names", BAD_INPUTS)
+def test_bad_input_exits_non_zero_with_one_line_naming_the_choices(args, names):
+    started = time.perf_counter()
+    result = kvlab("measure", *args)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0], result.stderr
+    assert time.perf_counter() - started < 60  # no model was built or run
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
+def test_cuda_without_a_gpu_is_refused():
+    result = kvlab("measure", "--device", "cuda")
+    assert result.returncode == 2 and "no CUDA GPU" in result.stderr
+
+
+def test_compare_refuses_bad_input_before_running():
+    result = kvlab("compare", "--preset", "nope", "--out", "/tmp/kvlab-never-written")
+    assert result.returncode == 2 and "unknown preset" in result.stderr
+
+
+def test_predict_explains_the_peak():
+    result = kvlab("predict", "--preset", "llama2-7b", "--dtype", "bfloat16", "--cache", "legacy",
+                   "--pattern", "legacy", "--batch", "8", "--prompt", "300", "--new", "500", "--device", "meta")
+    assert result.returncode == 0, result.stderr
+    explained = json.loads(result.stdout)
+    assert explained["kv_final_bytes"] == 3.125 * 2**30
+    assert 1.99 <= explained["overhead_over_kv"] <= 2.01
+
+
+def test_every_default_has_a_command_line_flag():
+    from kvlab.__main__ import build_parser
+    measure = build_parser()._subparsers._group_actions[0].choices["measure"]
+    flags = {action.dest for action in measure._actions}
+    assert set(DEFAULTS) - {"track_storages"} <= flags | {"overrides"}

@@ -1,0 +1,65 @@
+"""Every cache design, in both patterns, decodes exactly what transformers' own generate() does."""
+
+import pytest
+import torch
+
+from kvlab.caches import CACHES
+from kvlab.decode import PATTERNS, generate
+
+
+def reference(model, prompt, new, **kwargs):
+    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
+                          do_sample=False, **kwargs)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("cache", CACHES)
+def test_greedy_matches_generate(toy, prompt, cache, pattern):
+    expected = reference(toy, prompt, 40)
+    assert torch.equal(generate(toy, prompt, 40, cache=cache, pattern=pattern).tokens, expected)
+
+
+@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("cache", CACHES)
+def test_greedy_matches_generate_with_grouped_query_attention(toy_gqa, prompt, cache, pattern):
+    expected = reference(toy_gqa, prompt, 12)
+    assert torch.equal(generate(toy_gqa, prompt, 12, cache=cache, pattern=pattern).tokens, expected)
+
+
+def test_list_cache_consolidates_without_changing_tokens(toy, prompt):
+    expected = reference(toy, prompt, 30)
+    out = generate(toy, prompt, 30, cache="list", cache_options={"chunk_limit": 4})
+    assert torch.equal(out.tokens, expected)
+    assert all(len(layer.key_chunks) < 4 for layer in out.cache.layers)
+
+
+def test_prealloc_grows_in_blocks(toy, prompt):
+    out = generate(toy, prompt, 30, cache="prealloc", cache_options={"block_tokens": 16})
+    layer = out.cache.layers[0]
+    assert layer.length == 12 + 30 - 1
+    assert layer.key_buffer.shape[-2] == 48  # rounded up to a block of 16
+    assert layer.keys.data_ptr() == layer.key_buffer.data_ptr()  # attention gets a view, not a copy
+
+
+@pytest.mark.parametrize("cache", ["legacy", "inplace", "prealloc", "list"])
+def test_best_beam_matches_generate(toy, prompt, cache):
+    expected = reference(toy, prompt, 10, num_beams=4, num_return_sequences=1)
+    for pattern in PATTERNS:
+        out = generate(toy, prompt, 10, cache=cache, pattern=pattern, strategy="beam", num_beams=4)
+        assert torch.equal(out.tokens[::4], expected)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_restart_from_a_held_cache_continues_the_same_sequence(toy, prompt, cache):
+    whole = generate(toy, prompt, 20, cache=cache, cache_options={"max_cache_len": 32})
+    first = generate(toy, prompt, 12, cache=cache, cache_options={"max_cache_len": 32})
+    second = generate(toy, first.tokens, 8, cache=cache, past=first.cache)
+    assert torch.equal(second.tokens, whole.tokens)
+
+
+def test_seeded_sampling_is_reproducible_and_cache_independent(toy, prompt):
+    runs = [generate(toy, prompt, 16, cache=cache, strategy="sample", temperature=0.8, top_k=20, top_p=0.9,
+                     seed=7).tokens for cache in ("legacy", "inplace", "prealloc")]
+    assert all(torch.equal(run, runs[0]) for run in runs)
+    other_seed = generate(toy, prompt, 16, strategy="sample", temperature=0.8, top_k=20, seed=8).tokens
+    assert not torch.equal(other_seed, runs[0])
