@@ -223,18 +223,24 @@ def failure_status(name: str, message: str) -> str:
 
 
 @contextlib.contextmanager
-def _kernel_can_import_kvlab():
-    """Kernels inherit our environment: put this kvlab first on their path even if it is not installed."""
-    before = os.environ.get("PYTHONPATH")
+def _kernel_environment(points: list[dict]):
+    """Kernels inherit our environment: put this kvlab first on their path even if it is not installed,
+    and on CPU use one OpenMP thread unless told otherwise: the small CPU models gain nothing from threads,
+    and threads spinning against other processes on a shared machine make each matmul many times slower."""
     root = str(PACKAGE_DIR.parent)
-    os.environ["PYTHONPATH"] = root if not before else f"{root}{os.pathsep}{before}"
+    changes = {"PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    if all(point["device"] == "cpu" for point in points) and "OMP_NUM_THREADS" not in os.environ:
+        changes["OMP_NUM_THREADS"] = "1"
+    before = {key: os.environ.get(key) for key in changes}
+    os.environ.update(changes)
     try:
         yield
     finally:
-        if before is None:
-            os.environ.pop("PYTHONPATH", None)
-        else:
-            os.environ["PYTHONPATH"] = before
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = None) -> dict:
@@ -296,7 +302,7 @@ def run_sweep(points_or_grid, out, *, fixed: dict | None = None, notebook: str |
     counts = dict.fromkeys(STATUSES, 0)
     started = datetime.datetime.now(datetime.timezone.utc)
     try:
-        with _kernel_can_import_kvlab(), tqdm(todo, desc=f"sweep {out.name}", unit="point", disable=not progress) as bar:
+        with _kernel_environment(todo), tqdm(todo, desc=f"sweep {out.name}", unit="point", disable=not progress) as bar:
             for params in bar:
                 bar.set_postfix_str(f"{params['cache']}/{params['pattern']} b{params['batch']} p{params['prompt']} "
                                     f"n{params['new']}")

@@ -24,7 +24,7 @@ TOO_BIG = "num_hidden_layers=1,vocab_size=1000000000000"
 
 
 def sweep_command(out, *grid):
-    args = [sys.executable, "-m", "kvlab.sweep", "--out", str(out)]
+    args = [sys.executable, "-m", "kvlab", "sweep", "--out", str(out)]
     for key, value in {**TINY, **dict(grid)}.items():
         args += ["--grid", f"{key}={value}"]
     return args
