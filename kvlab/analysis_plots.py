@@ -23,6 +23,7 @@ AXIS_NAMES = {"new": "new tokens", "batch": "batch size", "prompt": "prompt leng
 # The <= 4.41 baseline first, then its two fixes alone, then every in-place design.
 DESIGNS = ["legacy / legacy", "legacy / fixed", "inplace / legacy", "list / fixed", "inplace / fixed",
            "static / fixed", "prealloc / fixed"]
+MARKERS = "osD^vPX"
 BASELINE, FIXED = ("legacy", "legacy"), ("inplace", "fixed")
 
 
@@ -90,7 +91,10 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new"):
             line = part[part["design"] == design]
             if line.empty:
                 continue
-            ax.plot(line[vary], line["overhead_bytes"] / scale, "o-", color=colours[design], label=design)
+            # Designs often coincide (legacy / fixed on legacy / legacy): hollow, shrinking markers keep each visible.
+            ax.plot(line[vary], line["overhead_bytes"] / scale, "-", marker=MARKERS[designs.index(design) % len(MARKERS)],
+                    markersize=10 - designs.index(design), fillstyle="none", markeredgewidth=1.5,
+                    color=colours[design], label=design)
             if line["predicted_overhead_bytes"].fillna(0).gt(0).any():
                 ax.plot(line[vary], line["predicted_overhead_bytes"] / scale, "--", color=colours[design], alpha=0.7)
         ax.set_xlabel(AXIS_NAMES[vary])
