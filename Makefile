@@ -34,3 +34,7 @@ lab: $(READY)
 
 clean:
 	rm -rf $(VENV) .legacy-tf results
+
+# A folder of wheels for an air-gapped GPU node (papermill stack, kvlab, transformers 4.40.1): docs/offline-gpu.md
+wheelhouse: $(READY)
+	PYTHON=$(BIN)/python scripts/build_wheelhouse.sh wheelhouse

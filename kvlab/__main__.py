@@ -84,7 +84,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     compare = sub.add_parser("compare", help="legacy vs every in-place design on the default device")
     compare.add_argument("--device", default="auto")
-    compare.add_argument("--preset", default=None, help="default: toy on CPU, tinyllama-1.1b on CUDA")
+    compare.add_argument("--preset", default=None, help="default: toy on CPU, tinyllama-1.1b on CUDA (see kvlab/sweeps/)")
     compare.add_argument("--batch", type=int, default=None)
     compare.add_argument("--prompt", type=int, default=None)
     compare.add_argument("--new", type=int, default=None)

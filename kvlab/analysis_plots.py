@@ -8,8 +8,6 @@ designs near 1x.
 
 from __future__ import annotations
 
-import inspect
-
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
@@ -63,6 +61,18 @@ def series(df: pd.DataFrame, vary: str) -> pd.DataFrame:
     return pd.concat(parts).sort_values(vary)
 
 
+def varying_sizes(df: pd.DataFrame) -> list[str]:
+    """The sizes this table holds a series for (a sweep may vary only some of them)."""
+    found = []
+    for vary in SIZES:
+        try:
+            series(measured(df), vary)
+            found.append(vary)
+        except ValueError:
+            pass
+    return found
+
+
 def unit_of(values) -> tuple[int, str]:
     """GiB for GPU-sized numbers, MiB otherwise."""
     return (GIB, "GiB") if max(values, default=0) >= 2 * GIB else (MIB, "MiB")
@@ -109,8 +119,6 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new"):
 
 def _factors(row) -> tuple[float, float]:
     arguments = dict(batch=int(row["batch"]), prompt=int(row["prompt"]), new=int(row["new"]), dtype=row["dtype"])
-    if "device" in inspect.signature(theory.improvement_factors).parameters:  # the bounds differ by meter
-        arguments["device"] = row["device"]
     minimal, maximal = theory.improvement_factors(_config(row), **arguments)
     return minimal, maximal
 

@@ -1,73 +1,84 @@
 """The main job: legacy vs every in-place cache design on the default device.
 
-CPU: the `toy` preset in fp32 with the cache dominating (batch 8, prompt 64, 512 new tokens).
-CUDA: `tinyllama-1.1b` in bf16 at the PR's benchmark shape (batch 8, prompt 300, 500 new tokens).
+It runs a small shipped sweep (`cpu-default` on CPU: the toy preset in fp32; `cuda-default` on a
+GPU: TinyLlama-1.1B in bf16 at the PR's shape), one fresh kernel per point, then prints the
+comparison table, draws the figures and executes the analysis notebook on the results. Everything
+goes to a git-ignored results folder; the committed notebooks are never overwritten.
 """
 
 from __future__ import annotations
 
 import datetime
-import gc
 from pathlib import Path
 
 import pandas as pd
-from tqdm.auto import tqdm
 
-from .experiment import normalize, run_point
-from .models import build_model, default_device
+from .models import default_device
+from .sweep import expand, load_sweep, run_sweep, sweep_file, validate
 
-# (cache, pattern): the <= 4.41 baseline, its two fixes taken one at a time, then every design.
-COMPARISON = [("legacy", "legacy"), ("legacy", "fixed"), ("inplace", "legacy"),
-              ("list", "fixed"), ("inplace", "fixed"), ("static", "fixed"), ("prealloc", "fixed")]
-
-CPU_POINT = dict(preset="toy", dtype="float32", batch=8, prompt=64, new=512)
-CUDA_POINT = dict(preset="tinyllama-1.1b", dtype="bfloat16", batch=8, prompt=300, new=500)
-
+PACKAGE_NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+ANALYSIS_NOTEBOOK = PACKAGE_NOTEBOOKS / "04_analysis.ipynb"
 MIB = 2**20
 
 
-def comparison_table(records: list[dict]) -> pd.DataFrame:
-    df = pd.DataFrame(records)
-    table = pd.DataFrame({
-        "cache": df["cache"], "pattern": df["pattern"],
-        "overhead_MiB": (df["overhead_bytes"] / MIB).round(2),
-        "overhead/KV": df["overhead_over_kv"].round(3),
-        "predicted_MiB": (df["predicted_overhead_bytes"] / MIB).round(2),
-        "error_%": (100 * df["prediction_error"]).round(2),
-        "tokens/s": df["tokens_per_s"].round(1),
-    })
-    return table
+def comparison_table(df: pd.DataFrame) -> pd.DataFrame:
+    """One row per design at the longest generation of the sweep."""
+    rows = df[(df["status"] == "ok") & (df["new"] == df["new"].max())]
+    return pd.DataFrame({
+        "cache": rows["cache"], "pattern": rows["pattern"],
+        "overhead_MiB": (rows["overhead_bytes"] / MIB).round(2),
+        "overhead/KV": rows["overhead_over_kv"].round(3),
+        "predicted_MiB": (rows["predicted_overhead_bytes"] / MIB).round(2),
+        "error_%": (100 * rows["prediction_error"]).round(2),
+        "tokens/s": rows["tokens_per_s"].round(1),
+    }).reset_index(drop=True)
 
 
 def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
     device = default_device() if device in (None, "auto") else device
-    point = dict(CPU_POINT if device == "cpu" else CUDA_POINT, device=device)
-    if preset:
-        point["preset"] = preset
-    point.update({k: v for k, v in sizes.items() if v is not None})
-    normalize(**point)  # every bad input fails here, before the model is built
+    fixed, grid = load_sweep(sweep_file("cuda-default" if device.startswith("cuda") else "cpu-default"))
+    fixed.update(device=device, **{k: v for k, v in dict(preset=preset, **sizes).items() if v is not None})
+    if "new" in sizes and sizes["new"] is not None:
+        grid.pop("new", None)
+    points = validate(expand(fixed, grid))  # every bad input fails here, before anything runs
     out = Path(out or f"results/compare-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    out.mkdir(parents=True, exist_ok=True)
 
-    model = build_model(point["preset"], None, device, point["dtype"])
-    records = []
-    for cache, pattern in tqdm(COMPARISON, desc=f"{point['preset']} on {device}", unit="point"):
-        records.append(run_point(model, cache=cache, pattern=pattern, **point))
-        gc.collect()
-    csv_path = out / "compare.csv"
-    pd.DataFrame(records).to_csv(csv_path, index=False)
+    results = run_sweep(points, out, command="python -m kvlab compare")
+    failed = results[results["status"] != "ok"]
+    for _, row in failed.iterrows():
+        print(f"{row['status']}: {row['cache']}/{row['pattern']} new={row['new']}: {row['error']}")
+    table = comparison_table(results)
 
+    from . import analysis_plots
     from .plots import compare_figure
-    figure_path = out / "compare.png"
-    compare_figure(pd.DataFrame(records)).savefig(figure_path, dpi=120, bbox_inches="tight")
+    figures = []
+    longest = results[(results["status"] == "ok") & (results["new"] == results["new"].max())]
+    figures.append(out / "compare.png")
+    compare_figure(longest).savefig(figures[-1], dpi=120, bbox_inches="tight")
+    if results["new"].nunique() > 1:
+        figures.append(out / "overhead_vs_new_tokens.png")
+        analysis_plots.overhead_figure(results, "new").savefig(figures[-1], dpi=120, bbox_inches="tight")
+    analysis = out / "04_analysis.ipynb"
+    _execute_analysis(out / "results.csv", analysis)
 
-    table = comparison_table(records)
-    first = records[0]
-    print(f"\n{first['preset']} on {first['device_name']} ({device}, {first['dtype']}), batch {first['batch']}, "
-          f"prompt {first['prompt']}, {first['new']} new tokens, greedy; KV = {first['kv_final_bytes'] / MIB:.1f} MiB")
+    first = longest.iloc[0]
+    print(f"\n{first['preset']} on {first['device_name']} ({first['device']}, {first['dtype']}), "
+          f"batch {first['batch']}, prompt {first['prompt']}, {first['new']} new tokens, greedy; "
+          f"final KV cache {first['kv_final_bytes'] / MIB:.1f} MiB")
     print(table.to_string(index=False))
-    legacy = records[0]["overhead_bytes"]
-    best = min(r["overhead_bytes"] for r in records[1:])
-    print(f"\nlegacy / best in-place overhead: {legacy / best:.2f}x")
-    print(f"wrote {csv_path}\nwrote {figure_path}")
+    baseline = longest[(longest["cache"] == "legacy") & (longest["pattern"] == "legacy")]["overhead_bytes"]
+    best = longest[longest["pattern"] == "fixed"]
+    best = best[best["cache"] != "legacy"]["overhead_bytes"].min()
+    if len(baseline) and best:
+        print(f"\nlegacy (<= 4.41) / best in-place overhead: {baseline.iloc[0] / best:.2f}x")
+    print(f"\nresults: {out / 'results.csv'}")
+    for figure in figures:
+        print(f"figure:  {figure}")
+    print(f"analysis notebook (executed): {analysis}")
     return table
+
+
+def _execute_analysis(results_csv: Path, output: Path) -> None:
+    import papermill
+    papermill.execute_notebook(str(ANALYSIS_NOTEBOOK), str(output), parameters={"results_csv": str(results_csv.resolve())},
+                               cwd=str(ANALYSIS_NOTEBOOK.parent.parent), progress_bar=False)

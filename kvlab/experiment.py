@@ -43,6 +43,12 @@ def device_name(device: str) -> str:
         return torch.cuda.get_device_name(torch.device(device))
     if kind == "meta":
         return "meta (no data)"
+    try:  # Linux names the processor model here; platform.processor() is often empty
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
     return platform.processor() or platform.machine()
 
 

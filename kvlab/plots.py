@@ -21,7 +21,8 @@ def compare_figure(df: pd.DataFrame):
     ax.scatter(df["predicted"], range(len(df)), color="black", marker="|", s=300, zorder=3, label="kvlab.theory")
     for multiple in (1, 2):
         ax.axvline(multiple * kv, color="grey", linestyle="--", linewidth=1)
-        ax.text(multiple * kv, -0.6, f"{multiple}x KV", ha="center", va="bottom", color="grey", fontsize=8)
+        ax.text(multiple * kv, 0.01, f" {multiple}x KV", ha="left", va="bottom", color="grey", fontsize=8,
+                transform=ax.get_xaxis_transform())
     first = df.iloc[0]
     ax.set_xlabel("peak memory above the weights (MiB)")
     ax.set_ylabel("cache / reference pattern")
