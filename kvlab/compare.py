@@ -49,15 +49,14 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
         print(f"{row['status']}: {row['cache']}/{row['pattern']} new={row['new']}: {row['error']}")
     table = comparison_table(results)
 
-    from . import analysis_plots
-    from .plots import compare_figure
+    from . import plots
     figures = []
     longest = results[(results["status"] == "ok") & (results["new"] == results["new"].max())]
     figures.append(out / "compare.png")
-    compare_figure(longest).savefig(figures[-1], dpi=120, bbox_inches="tight")
+    plots.compare_figure(longest).savefig(figures[-1], dpi=120, bbox_inches="tight")
     if results["new"].nunique() > 1:
         figures.append(out / "overhead_vs_new_tokens.png")
-        analysis_plots.overhead_figure(results, "new").savefig(figures[-1], dpi=120, bbox_inches="tight")
+        plots.overhead_figure(results, "new").savefig(figures[-1], dpi=120, bbox_inches="tight")
     analysis = out / "04_analysis.ipynb"
     _execute_analysis(out / "results.csv", analysis)
 

@@ -22,6 +22,10 @@ from .decode import PATTERNS, STRATEGIES, check_choice, generate
 from .memory import MemoryMeter
 from .models import build_config, check_device, default_device, is_hub_id, kv_bytes_per_token, parse_dtype, parse_overrides
 
+# (cache, pattern): the <= 4.41 baseline, its two fixes taken one at a time, then every in-place design.
+DESIGNS = [("legacy", "legacy"), ("legacy", "fixed"), ("inplace", "legacy"),
+           ("list", "fixed"), ("inplace", "fixed"), ("static", "fixed"), ("prealloc", "fixed")]
+
 DEFAULTS = dict(preset="toy", overrides="", cache="inplace", pattern="fixed", strategy="greedy", batch=8,
                 prompt=64, new=512, restart_new=0, num_beams=4, device="auto", dtype="float32", seed=0,
                 chunk_limit=50, block_tokens=32, track_storages="auto")

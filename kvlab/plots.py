@@ -1,14 +1,162 @@
-"""The figures. Each function takes a results table (one record per row) and returns a Figure."""
+"""The figures: the PR's benchmark plots redrawn from a results table, and the main job's bars.
+
+Each function takes the table `kvlab.sweep.load_results` returns (one row per point) and returns a
+Figure or a DataFrame. Measurements are solid lines, `kvlab.theory`'s prediction dashed in the same
+colour, and the final KV cache (1x and 2x) in grey: the legacy design should sit on 2x, the in-place
+designs near 1x.
+"""
 
 from __future__ import annotations
-
-
 
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-MIB = 2**20
+from . import experiment, theory
+from .models import build_config
+
+MIB, GIB = 2**20, 2**30
+SIZES = ("new", "batch", "prompt")
+AXIS_NAMES = {"new": "new tokens", "batch": "batch size", "prompt": "prompt length (tokens)"}
+DESIGNS = [f"{cache} / {pattern}" for cache, pattern in experiment.DESIGNS]
+MARKERS = "osD^vPX"
+BASELINE, FIXED = ("legacy", "legacy"), ("inplace", "fixed")
+
+
+def measured(df: pd.DataFrame) -> pd.DataFrame:
+    """The points that ran (status ok), with a `design` column ("cache / pattern")."""
+    df = df[df["status"] == "ok"] if "status" in df else df
+    return df.assign(design=df["cache"] + " / " + df["pattern"])
+
+
+def _config(row):
+    return build_config(row["preset"], [item for item in row["overrides"].split(",") if item])
+
+
+def refresh_predictions(df: pd.DataFrame) -> pd.DataFrame:
+    """Recompute `predicted_overhead_bytes` with the installed kvlab.theory (the recorded value is kept
+    as `recorded_prediction_bytes`): a prediction is a function of the parameters, so it can follow
+    the model as it improves without measuring again."""
+    def predict(row):
+        return theory.predict_overhead(_config(row), **{key: row[key] for key in theory.POINT_KEYS if key in row})
+    return df.assign(recorded_prediction_bytes=df["predicted_overhead_bytes"],
+                     predicted_overhead_bytes=df.apply(predict, axis=1))
+
+
+def series(df: pd.DataFrame, vary: str) -> pd.DataFrame:
+    """The rows where only `vary` changes: per preset and dtype, the setting of the other sizes that
+    has the most distinct values of `vary` (a table may hold several sweeps)."""
+    others = [size for size in SIZES if size != vary]
+    parts = []
+    for _, group in df.groupby(["preset", "dtype"], sort=False):
+        counts = group.groupby(others)[vary].nunique()
+        if counts.max() < 2:
+            continue
+        setting = dict(zip(others, counts.idxmax()))
+        parts.append(group[(group[others] == pd.Series(setting)).all(axis=1)])
+    if not parts:
+        raise ValueError(f"no rows where {vary} varies with the other sizes fixed")
+    return pd.concat(parts).sort_values(vary)
+
+
+def varying_sizes(df: pd.DataFrame) -> list[str]:
+    """The sizes this table holds a series for (a sweep may vary only some of them)."""
+    found = []
+    for vary in SIZES:
+        try:
+            series(measured(df), vary)
+            found.append(vary)
+        except ValueError:
+            pass
+    return found
+
+
+def unit_of(values) -> tuple[int, str]:
+    """GiB for GPU-sized numbers, MiB otherwise."""
+    return (GIB, "GiB") if max(values, default=0) >= 2 * GIB else (MIB, "MiB")
+
+
+def _title(rows: pd.DataFrame, vary: str) -> str:
+    first = rows.iloc[0]
+    fixed = ", ".join(f"{AXIS_NAMES[size].split(' (')[0]} {first[size]}" for size in SIZES if size != vary)
+    return f"{first['preset']} {first['dtype']} on {first['device']}: {fixed}"
+
+
+def overhead_figure(df: pd.DataFrame, vary: str = "new"):
+    """Peak memory above the weights against one size, for every design: measured and predicted."""
+    rows = series(measured(df), vary)
+    presets = list(dict.fromkeys(rows["preset"]))
+    scale, unit = unit_of(pd.concat([rows["overhead_bytes"], 2 * rows["kv_final_bytes"]]))
+    designs = [d for d in DESIGNS if d in set(rows["design"])] + sorted(set(rows["design"]) - set(DESIGNS))
+    colours = dict(zip(designs, sns.color_palette("tab10", len(designs))))
+    fig, axes = plt.subplots(1, len(presets), figsize=(6.5 * len(presets), 4.5), squeeze=False)
+    for ax, preset in zip(axes[0], presets):
+        part = rows[rows["preset"] == preset]
+        kv = part.groupby(vary)["kv_final_bytes"].first() / scale
+        for multiple, style in ((1, ":"), (2, "-.")):
+            ax.plot(kv.index, multiple * kv.values, style, color="grey", linewidth=1, label=f"{multiple} x final KV")
+        for design in designs:
+            line = part[part["design"] == design]
+            if line.empty:
+                continue
+            # Designs often coincide (legacy / fixed on legacy / legacy): hollow, shrinking markers keep each visible.
+            ax.plot(line[vary], line["overhead_bytes"] / scale, "-", marker=MARKERS[designs.index(design) % len(MARKERS)],
+                    markersize=10 - designs.index(design), fillstyle="none", markeredgewidth=1.5,
+                    color=colours[design], label=design)
+            if line["predicted_overhead_bytes"].fillna(0).gt(0).any():
+                ax.plot(line[vary], line["predicted_overhead_bytes"] / scale, "--", color=colours[design], alpha=0.7)
+        ax.set_xlabel(AXIS_NAMES[vary])
+        ax.set_ylabel(f"peak memory above the weights ({unit})")
+        ax.set_title(_title(part, vary), fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0][-1].plot([], [], "--", color="black", alpha=0.7, label="kvlab.theory (dashed)")
+    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    fig.tight_layout()
+    return fig
+
+
+def _factors(row) -> tuple[float, float]:
+    arguments = dict(batch=int(row["batch"]), prompt=int(row["prompt"]), new=int(row["new"]), dtype=row["dtype"])
+    minimal, maximal = theory.improvement_factors(_config(row), **arguments)
+    return minimal, maximal
+
+
+def improvement_table(df: pd.DataFrame, vary: str = "new") -> pd.DataFrame:
+    """Legacy overhead / in-place overhead at each point of a series, beside the PR's minimal and
+    maximal improvement factors from kvlab.theory."""
+    rows = series(measured(df), vary)
+    keys = ["preset", "dtype", "device", "overrides", "batch", "prompt", "new"]
+    pick = lambda design: rows[(rows["cache"] == design[0]) & (rows["pattern"] == design[1])].set_index(keys)
+    legacy, fixed = pick(BASELINE)["overhead_bytes"], pick(FIXED)["overhead_bytes"]
+    table = (legacy / fixed).dropna().rename("measured").reset_index()
+    if table.empty:
+        raise ValueError("the table needs both legacy/legacy and inplace/fixed points")
+    table[["minimal", "maximal"]] = table.apply(_factors, axis=1, result_type="expand")
+    return table.round({"measured": 3, "minimal": 3, "maximal": 3})
+
+
+def improvement_figure(df: pd.DataFrame, sizes=SIZES):
+    """One panel per size: measured legacy / in-place ratio between the PR's bounds."""
+    tables = {}
+    for vary in sizes:
+        try:
+            tables[vary] = improvement_table(df, vary)
+        except ValueError:  # this table has no such series
+            continue
+    fig, axes = plt.subplots(1, len(tables), figsize=(4.5 * len(tables), 3.8), squeeze=False)
+    for ax, (vary, table) in zip(axes[0], tables.items()):
+        for preset, part in table.groupby("preset", sort=False):
+            label = f" ({preset})" if table["preset"].nunique() > 1 else ""
+            ax.plot(part[vary], part["measured"], "o-", label=f"measured{label}")
+            ax.plot(part[vary], part["maximal"], "--", color="tab:green", label=f"maximal factor{label}")
+            ax.plot(part[vary], part["minimal"], "--", color="tab:red", label=f"minimal factor{label}")
+        ax.axhline(1, color="grey", linewidth=1)
+        ax.set_xlabel(AXIS_NAMES[vary])
+        ax.set_ylabel("legacy / in-place peak overhead (x)")
+        ax.grid(alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 def compare_figure(df: pd.DataFrame):
