@@ -145,7 +145,9 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "i
             step_cache = LegacyTupleCache.from_legacy_cache(kv, layers) if tuple_cache else kv
             new_outputs = model(
                 input_ids=tokens[:, cached:],
-                attention_mask=torch.ones(tokens.shape[0], seq_len, dtype=torch.long, device=device),
+                # As generate() passes it; on meta there are no values to inspect, and no padding anyway.
+                attention_mask=None if device.type == "meta" else torch.ones(
+                    tokens.shape[0], seq_len, dtype=torch.long, device=device),
                 position_ids=torch.arange(cached, seq_len, device=device).unsqueeze(0),
                 use_cache=True,
                 **{argument: step_cache},
