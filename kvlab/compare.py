@@ -16,8 +16,8 @@ import pandas as pd
 from .models import default_device
 from .sweep import expand, load_sweep, run_sweep, sweep_file, validate
 
-PACKAGE_NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
-ANALYSIS_NOTEBOOK = PACKAGE_NOTEBOOKS / "04_analysis.ipynb"
+NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+ANALYSIS_NOTEBOOK = NOTEBOOKS / "04_analysis.ipynb"
 MIB = 2**20
 
 

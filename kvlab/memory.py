@@ -131,6 +131,7 @@ class MemoryMeter:
         self.counter = LiveStorageCounter() if self.track_storages else None
         self.labels: dict[int, str] = {}  # storage serial -> category
         self.timeline: list[StepMemory] = []
+        self.cuda_peak = self.reserved_peak = 0  # CUDA: highest over the steps closed so far
         self._report: MemoryReport | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -139,7 +140,6 @@ class MemoryMeter:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             self.baseline = torch.cuda.memory_allocated(self.device)
-            self._step_start_peak = 0
         else:
             self.baseline = self.weights
         if self.counter is not None:
@@ -166,8 +166,8 @@ class MemoryMeter:
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device) - self.baseline
-            self.cuda_peak = max(getattr(self, "cuda_peak", 0), peak)
-            self.reserved_peak = max(getattr(self, "reserved_peak", 0), torch.cuda.max_memory_reserved(self.device))
+            self.cuda_peak = max(self.cuda_peak, peak)
+            self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             peak = self.counter.step_peak_bytes
@@ -202,9 +202,8 @@ class MemoryMeter:
                 at_peak[self.labels.get(serial, "other")] += nbytes
             storages_peak = self.counter.peak_bytes
         if self.on_cuda:
-            peak = max(getattr(self, "cuda_peak", 0),
-                       torch.cuda.max_memory_allocated(self.device) - self.baseline)
-            reserved = max(getattr(self, "reserved_peak", 0), torch.cuda.max_memory_reserved(self.device))
+            peak = max(self.cuda_peak, torch.cuda.max_memory_allocated(self.device) - self.baseline)
+            reserved = max(self.reserved_peak, torch.cuda.max_memory_reserved(self.device))
             return MemoryReport(str(self.device), "cuda-allocator", self.baseline, self.baseline + peak,
                                 reserved, self.timeline, at_peak, storages_peak)
         return MemoryReport(str(self.device), "live-storages", self.baseline,
