@@ -7,7 +7,6 @@ transformers 5.24 renamed the forward argument and output field `past_key_values
 import inspect
 
 import torch
-import transformers
 
 
 def cache_argument(model: torch.nn.Module) -> str:
@@ -24,4 +23,3 @@ def cache_from_outputs(outputs):
     return None
 
 
-TRANSFORMERS_VERSION = transformers.__version__

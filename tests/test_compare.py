@@ -1,0 +1,23 @@
+"""The main job end to end, small: the sweep, the table, the figures, the executed analysis notebook."""
+
+import subprocess
+import sys
+
+import pandas as pd
+
+from kvlab.experiment import DESIGNS
+
+
+def test_compare_writes_results_figures_and_the_executed_analysis(tmp_path):
+    out = tmp_path / "compare"
+    result = subprocess.run([sys.executable, "-m", "kvlab", "compare", "--device", "cpu", "--new", "16",
+                             "--out", str(out)], capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = pd.read_csv(out / "results.csv")
+    assert len(results) == len(DESIGNS) and set(results["status"]) == {"ok"}
+    assert set(zip(results["cache"], results["pattern"])) == set(DESIGNS)
+    assert (results["prediction_error"].abs() <= 0.05).all()
+    for name in ("compare.png", "04_analysis.ipynb"):
+        assert (out / name).stat().st_size > 0
+        assert str(out / name) in result.stdout
+    assert "legacy (<= 4.41) / best in-place overhead" in result.stdout
