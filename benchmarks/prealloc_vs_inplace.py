@@ -13,7 +13,7 @@ import statistics
 import torch
 
 from kvlab.decode import generate
-from kvlab.models import build_model, default_device
+from kvlab.models import build_model, resolve_device
 
 
 def main():
@@ -27,7 +27,7 @@ def main():
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--caches", default="inplace,prealloc,list,static")
     args = parser.parse_args()
-    device = default_device() if args.device == "auto" else args.device
+    device = resolve_device(args.device)
     dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
     model = build_model(args.preset, None, device, dtype)
     prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt),

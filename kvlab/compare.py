@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pandas as pd
 
-from .models import default_device
+from .models import resolve_device
 from .sweep import expand, load_sweep, run_sweep, sweep_file, validate
 
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
@@ -35,7 +35,7 @@ def comparison_table(df: pd.DataFrame) -> pd.DataFrame:
 
 
 def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
-    device = default_device() if device in (None, "auto") else device
+    device = resolve_device(device)
     fixed, grid = load_sweep(sweep_file("cuda-default" if device.startswith("cuda") else "cpu-default"))
     fixed.update(device=device, **{k: v for k, v in dict(preset=preset, **sizes).items() if v is not None})
     if "new" in sizes and sizes["new"] is not None:

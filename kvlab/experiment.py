@@ -20,7 +20,7 @@ from . import __version__, theory
 from .caches import CACHES
 from .decode import PATTERNS, STRATEGIES, check_choice, generate
 from .memory import MemoryMeter
-from .models import build_config, check_device, default_device, is_hub_id, kv_bytes_per_token, parse_dtype, parse_overrides
+from .models import build_config, check_device, is_hub_id, kv_bytes_per_token, parse_dtype, parse_overrides, resolve_device
 
 # (cache, pattern): the <= 4.41 baseline, its two fixes taken one at a time, then every in-place design.
 DESIGNS = [("legacy", "legacy"), ("legacy", "fixed"), ("inplace", "legacy"),
@@ -79,8 +79,7 @@ def normalize(**params) -> dict:
     p["restart_new"] = int(p["restart_new"])
     if p["restart_new"] < 0:
         raise ValueError(f"restart_new must be zero or positive, got {p['restart_new']}")
-    if p["device"] == "auto":
-        p["device"] = default_device()
+    p["device"] = resolve_device(p["device"])
     check_device(p["device"])
     parse_dtype(p["dtype"])
     if isinstance(p["overrides"], (list, tuple, dict)):

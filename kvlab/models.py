@@ -66,7 +66,12 @@ def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _parse_value(text: str):
+def resolve_device(device: str | None = "auto") -> str:
+    """`"auto"` (or nothing) → CUDA when present, else CPU; anything else is passed through."""
+    return default_device() if device in (None, "", "auto") else device
+
+
+def parse_value(text: str):
     lowered = text.lower()
     if lowered in ("true", "false"):
         return lowered == "true"
@@ -92,7 +97,7 @@ def parse_overrides(items) -> dict:
         key, sep, value = item.partition("=")
         if not sep or not key:
             raise ValueError(f"override {item!r} is not of the form key=value")
-        overrides[key.strip()] = _parse_value(value.strip())
+        overrides[key.strip()] = parse_value(value.strip())
     return overrides
 
 
@@ -143,8 +148,14 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return total
 
 
+def head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def element_size(dtype: str) -> int:
+    return torch.empty((), dtype=parse_dtype(dtype)).element_size()
+
+
 def kv_bytes_per_token(config, batch: int, dtype: str) -> int:
     """Bytes one token adds to the KV cache of the whole model (keys and values, every layer)."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    element = torch.empty((), dtype=parse_dtype(dtype)).element_size()
-    return 2 * config.num_hidden_layers * batch * config.num_key_value_heads * head_dim * element
+    return 2 * config.num_hidden_layers * batch * config.num_key_value_heads * head_dim(config) * element_size(dtype)

@@ -13,15 +13,10 @@ from matplotlib.ticker import MaxNLocator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .models import default_device
+from .models import resolve_device  # noqa: F401  (the notebooks import it from here)
 
 MIB = 2**20
 CATEGORY_COLORS = {"weights": "tab:gray", "kv": "tab:blue", "logits": "tab:orange", "other": "tab:green"}
-
-
-def resolve_device(device: str = "auto") -> str:
-    """`"auto"` → CUDA when present, else CPU; anything else is passed through."""
-    return default_device() if device in (None, "", "auto") else device
 
 
 # -- counting bytes written ------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from pathlib import Path
 import yaml
 
 from .experiment import DEFAULTS, normalize
-from .models import _parse_value
+from .models import parse_value
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SWEEPS_DIR = PACKAGE_DIR / "sweeps"
@@ -63,7 +63,7 @@ def parse_grid_item(item: str) -> tuple[str, list]:
     parts = [part.strip() for part in values.split(",")] if key != "overrides" else [values.strip()]
     if not sep or not key or not all(parts):
         raise ValueError(f"grid item {item!r} is not of the form key=v1,v2,...; valid keys: {', '.join(DEFAULTS)}")
-    return key, [_parse_value(part) for part in parts]
+    return key, [parse_value(part) for part in parts]
 
 
 def sweep_file(name: str | os.PathLike) -> Path:

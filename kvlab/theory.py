@@ -13,9 +13,7 @@ from __future__ import annotations
 
 import math
 
-import torch
-
-from .models import parse_dtype
+from .models import element_size, head_dim, kv_bytes_per_token
 
 POINT_KEYS = ("cache", "pattern", "strategy", "batch", "prompt", "new", "restart_new", "num_beams", "dtype",
               "chunk_limit", "block_tokens")
@@ -28,16 +26,16 @@ class Shape:
 
     def __init__(self, config, batch, dtype, strategy="greedy", num_beams=4):
         self.rows = batch * (num_beams if strategy == "beam" else 1)
-        self.e = torch.empty((), dtype=parse_dtype(dtype)).element_size()
+        self.e = element_size(dtype)
         self.layers = config.num_hidden_layers
         self.heads = config.num_attention_heads
         self.kv_heads = config.num_key_value_heads
-        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.head_dim = head_dim(config)
         self.hidden = config.hidden_size
         self.intermediate = config.intermediate_size
         self.vocab = config.vocab_size
-        self.t = self.rows * self.kv_heads * self.head_dim * self.e
-        self.token = 2 * self.layers * self.t
+        self.token = kv_bytes_per_token(config, self.rows, dtype)
+        self.t = self.token // (2 * self.layers)
 
     def kv(self, length: int) -> int:
         return self.token * length
@@ -65,7 +63,7 @@ def _steps(prompt, new, restart_new):
 
 def peak_phases(config, cache="inplace", pattern="fixed", strategy="greedy", batch=8, prompt=64, new=512,
                 restart_new=0, num_beams=4, dtype="float32", chunk_limit=50, block_tokens=32):
-    """Every phase's bytes above the weights; returns (peak, the phase that makes it, its terms)."""
+    """Every phase's bytes above the weights; returns (peak, the phase that makes it, its terms, final KV)."""
     s = Shape(config, batch, dtype, strategy, num_beams)
     tuple_cache, legacy = cache == "legacy", pattern == "legacy"
     max_len = prompt + new + restart_new
@@ -144,7 +142,7 @@ def peak_phases(config, cache="inplace", pattern="fixed", strategy="greedy", bat
             if total > best[0]:
                 best = (total, f"step {index} ({'restart ' if call else ''}{name})", terms)
         prev_logits = s.rows * fed * s.vocab * FP32 if legacy else 0
-    return best
+    return best[0], best[1], best[2], s.kv(max_len)
 
 
 def predict_overhead(config, **point) -> int:
@@ -154,10 +152,7 @@ def predict_overhead(config, **point) -> int:
 
 def explain(config, **point) -> dict:
     """The peak, where it happens and the terms that make it, for printing."""
-    total, where, terms = peak_phases(config, **point)
-    s = Shape(config, point.get("batch", 8), point.get("dtype", "float32"), point.get("strategy", "greedy"),
-              point.get("num_beams", 4))
-    kv_final = s.kv(point.get("prompt", 64) + point.get("new", 512) + point.get("restart_new", 0))
+    total, where, terms, kv_final = peak_phases(config, **point)
     return {"predicted_overhead_bytes": int(total), "kv_final_bytes": kv_final,
             "overhead_over_kv": round(total / kv_final, 4), "peak_at": where,
             "terms_bytes": {k: int(v) for k, v in terms.items() if v}}
