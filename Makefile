@@ -5,7 +5,9 @@ PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
 READY  := $(VENV)/.ready
-LEGACY := .legacy-tf/transformers-4.40.1.dist-info
+LEGACY_4_40 := .legacy-tf/transformers-4.40.1.dist-info
+LEGACY_4_42 := .legacy-tf-4.42/transformers-4.42.4.dist-info
+LEGACY := $(LEGACY_4_40) $(LEGACY_4_42)
 
 .PHONY: compare test lab legacy wheelhouse clean
 
@@ -17,9 +19,13 @@ $(READY): requirements.lock pyproject.toml
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kvlab)" >/dev/null
 	touch $@
 
-# transformers 4.40.1, the last tuple-cache release, in its own folder: the reference the emulation must match.
-$(LEGACY): $(READY)
-	$(BIN)/python -c "from kvlab.reference import install_legacy_transformers as i; i()"
+# transformers 4.40.1 (the last tuple-cache release) and 4.42.4 (PR #30536 as released), each in its own
+# folder with the libraries it pins (4.42.4: numpy 1.26): the references kvlab's v4.40 and v4.42 loops must match.
+$(LEGACY_4_40): $(READY)
+	$(BIN)/python -c "from kvlab.reference import install_reference; install_reference('4.40.1')"
+
+$(LEGACY_4_42): $(READY)
+	$(BIN)/python -c "from kvlab.reference import install_reference; install_reference('4.42.4')"
 
 legacy: $(LEGACY)
 

@@ -1,95 +1,209 @@
-"""The real thing: transformers 4.40.1's own `generate()`, measured with kvlab's meter.
+"""The real thing: transformers' own `generate()`, measured with kvlab's meter, one release at a time.
 
-4.40.1 cannot share a process with transformers 5, so it is installed into its own folder
-(`--target`, with the tokenizers and huggingface-hub it was released with) and run in a subprocess
-with that folder first on PYTHONPATH. The subprocess imports only `kvlab.memory` (plain torch), builds
-the preset's config with 4.40.1's classes and prints one JSON record.
+Releases older than the installed transformers 5 cannot share its process, so each is installed into
+its own folder (`pip --target`, no dependencies resolved, with the libraries it was released with)
+and runs in a subprocess with that folder first on PYTHONPATH. The installed 5.x runs in a
+subprocess too, through the same worker, so every reference is measured the same way: a fresh
+process that imports only `kvlab.memory` (plain torch), builds the preset with that release's own
+classes and prints one JSON record.
 
-    python -m kvlab.reference --preset toy --batch 8 --prompt 64 --new 512
+    python -m kvlab.reference --version 4.42.4 --preset toy --batch 8 --prompt 64 --new 512
+    python -m kvlab.reference --version installed --strategy beam --num-beams 4 --cache-implementation static
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-LEGACY_TRANSFORMERS = ("transformers==4.40.1", "tokenizers==0.19.1", "huggingface-hub==0.23.4")
-DEFAULT_TARGET = Path(__file__).resolve().parent.parent / ".legacy-tf"
+ROOT = Path(__file__).resolve().parent.parent
+INSTALLED = "installed"  # the transformers 5.x of this environment
+
+# Each old release with the pins it needs, into its own folder. 4.40.1 imports fine next to numpy 2;
+# 4.42.4 declares numpy<2 and its import-time dependency check refuses numpy 2, so its folder carries
+# numpy 1.26.4 (torch 2.13 still runs with it) and the safetensors it was released against.
+RELEASES = {
+    "4.40.1": (ROOT / ".legacy-tf", ("transformers==4.40.1", "tokenizers==0.19.1", "huggingface-hub==0.23.4")),
+    "4.42.4": (ROOT / ".legacy-tf-4.42", ("transformers==4.42.4", "tokenizers==0.19.1", "huggingface-hub==0.23.4",
+                                          "numpy==1.26.4", "safetensors==0.4.3")),
+}
+DEFAULT_TARGET = RELEASES["4.40.1"][0]  # where gpu/h200_run.sh and the wheelhouse put 4.40.1
+
+# The config values that shape the memory; plain values, so any release's config class accepts them.
+CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "sliding_window",
+               "use_sliding_window")
+STRATEGIES = ("greedy", "beam")
+POINT_DEFAULTS = dict(preset="toy", overrides=None, batch=8, prompt=64, new=512, dtype="float32", strategy="greedy",
+                      num_beams=4, cache_implementation=None, device="cpu", seed=0)
 
 
-def install_legacy_transformers(target: Path = DEFAULT_TARGET) -> Path:
-    """Install transformers 4.40.1 into `target` (once); raises CalledProcessError if pip cannot."""
-    if not (target / "transformers-4.40.1.dist-info").exists():
-        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target),
-                        *LEGACY_TRANSFORMERS], check=True)
+class ReferenceInstallError(RuntimeError):
+    """pip could not install a release (no package index reachable, or no wheel for this Python)."""
+
+
+def install_reference(version: str) -> Path | None:
+    """Install `version` into its own folder once and return the folder (None for the installed 5.x)."""
+    if version == INSTALLED:
+        return None
+    if version not in RELEASES:
+        raise ValueError(f"unknown transformers release {version!r}; choose one of: {', '.join([*RELEASES, INSTALLED])}")
+    target, pins = RELEASES[version]
+    # Every pin's dist-info, not just transformers': an interrupted install must be redone.
+    wanted = [target / f"{pin.split('==')[0].replace('-', '_')}-{pin.split('==')[1]}.dist-info" for pin in pins]
+    if not all(path.exists() for path in wanted):
+        # --upgrade replaces a half-installed package; --no-deps keeps transformers 5's pins out of the folder.
+        result = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade",
+                                 "--target", str(target), *pins], capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise ReferenceInstallError(f"pip could not install {' '.join(pins)} into {target} (is a package index "
+                                        f"reachable?):\n{result.stderr[-2000:]}")
     return target
 
 
-def measure_legacy_generate(preset: str = "toy", overrides=None, batch: int = 8, prompt: int = 64, new: int = 512,
-                            device: str = "cpu", dtype: str = "float32", target: Path = DEFAULT_TARGET) -> dict:
-    """Run 4.40.1's `generate()` on the preset in a subprocess and return its measured record."""
-    from .models import PRESETS, build_config
-    config = build_config(preset, overrides)  # validates the preset and overrides in this process
-    config_class, _ = PRESETS[preset]
-    values = {key: getattr(config, key) for key in (
-        "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-        "vocab_size", "max_position_embeddings", "rms_norm_eps")}
-    spec = dict(model_type=config_class.model_type, config=values, batch=batch, prompt=prompt, new=new,
-                device=device, dtype=dtype)
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(target), str(Path(__file__).resolve().parent.parent)]))
-    result = subprocess.run([sys.executable, "-m", "kvlab.reference", "--worker", json.dumps(spec)],
-                            env=env, capture_output=True, text=True, check=False)
+def measure_reference(version: str = "4.40.1", preset: str = "toy", overrides=None, batch: int = 8,
+                      prompt: int = 64, new: int = 512, dtype: str = "float32", strategy: str = "greedy",
+                      num_beams: int = 4, cache_implementation: str | None = None, device: str = "cpu",
+                      seed: int = 0) -> dict:
+    """Run release `version`'s own `generate()` on the preset in a subprocess; return its measured record."""
+    point = dict(preset=preset, overrides=overrides, batch=batch, prompt=prompt, new=new, dtype=dtype,
+                 strategy=strategy, num_beams=num_beams, cache_implementation=cache_implementation, device=device,
+                 seed=seed)
+    return measure_references(version, [point])[0]
+
+
+def measure_references(version: str, points: list[dict]) -> list[dict]:
+    """Several points (dicts of `measure_reference`'s keywords) in one subprocess: the release is imported
+    once, and each point still builds its own model and prompt."""
+    from .models import build_config, kv_bytes_per_token, parse_dtype
+    specs = []
+    for point in points:
+        unknown = set(point) - set(POINT_DEFAULTS)
+        if unknown:
+            raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))}; valid: {', '.join(POINT_DEFAULTS)}")
+        p = {**POINT_DEFAULTS, **point}
+        if p["strategy"] not in STRATEGIES:
+            raise ValueError(f"unknown strategy {p['strategy']!r}; choose one of: {', '.join(STRATEGIES)}")
+        if p["cache_implementation"] is not None and version in RELEASES:
+            raise ValueError(f"cache_implementation is for the installed 5.x; {version} only has its default cache")
+        parse_dtype(p["dtype"])
+        config = build_config(p["preset"], p["overrides"])  # raises on a bad preset or override, before any subprocess
+        values = {key: getattr(config, key) for key in CONFIG_KEYS if hasattr(config, key)}
+        rope = getattr(config, "rope_parameters", None) or {}  # 5.x nests rope_theta there
+        values["rope_theta"] = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        p["num_beams"] = p["num_beams"] if p["strategy"] == "beam" else 1
+        p["kv_final_bytes"] = kv_bytes_per_token(config, p["batch"] * p["num_beams"], p["dtype"]) * (p["prompt"] + p["new"])
+        specs.append(dict(p, model_type=config.model_type, config=values))
+    target = install_reference(version)
+    path = [str(ROOT)] if target is None else [str(target), str(ROOT)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    result = subprocess.run([sys.executable, "-m", "kvlab.reference", "--worker", json.dumps(dict(version=version,
+                            points=specs))], env=env, capture_output=True, text=True, check=False)
     if result.returncode != 0:
-        raise RuntimeError(f"transformers 4.40.1 run failed:\n{result.stderr[-3000:]}")
-    return json.loads(result.stdout.strip().splitlines()[-1])
+        raise RuntimeError(f"transformers {version} run failed:\n{result.stderr[-3000:]}")
+    records = json.loads(result.stdout.strip().splitlines()[-1])
+    return [dict(record, overhead_over_kv=round(record["overhead_bytes"] / record["kv_final_bytes"], 4))
+            for record in records]
 
 
-def _worker(spec: dict) -> dict:
-    """Runs inside the 4.40.1 subprocess."""
+def weights_digest(model) -> str:
+    """sha256 of every parameter's bytes in name order: equal digests mean identical weights."""
+    import torch
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.named_parameters()):
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()
+
+
+def _worker(job: dict) -> list[dict]:
+    """Runs inside the subprocess, with whichever transformers is first on the path."""
+    import torch
+    import transformers
+
+    version = transformers.__version__
+    if job["version"] != INSTALLED and version != job["version"]:
+        raise RuntimeError(f"asked for transformers {job['version']}, imported {version} from {transformers.__file__}")
+    # Memory does not depend on the thread count; one thread keeps OpenMP from spinning against
+    # other processes on a small CPU (kvlab.sweep does the same).
+    torch.set_num_threads(1)
+    return [dict(_measure_point(spec), transformers_version=version, torch_version=torch.__version__)
+            for spec in job["points"]]
+
+
+def _measure_point(spec: dict) -> dict:
+    import gc
+
     import torch
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from kvlab.memory import MemoryMeter
 
-    assert transformers.__version__ == "4.40.1", transformers.__version__
-    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[spec["dtype"]]
+    before_5 = int(transformers.__version__.split(".")[0]) < 5
+    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
+             "fp16": torch.float16, "bf16": torch.bfloat16}[spec["dtype"]]
     config = AutoConfig.for_model(spec["model_type"], **spec["config"], attn_implementation="sdpa")
-    config.eos_token_id = None
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype).to(spec["device"]).eval()
-    generator = torch.Generator().manual_seed(0)
+    config.eos_token_id = None  # never stop early: every run decodes exactly `new` tokens
+    config.use_cache = True
+    # As kvlab.models.build_model: seed, then build on the device (weights equal only if init order is).
+    torch.manual_seed(spec["seed"])
+    with torch.device(spec["device"]):
+        model = AutoModelForCausalLM.from_config(config, **{"torch_dtype" if before_5 else "dtype": dtype})
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    # As kvlab.experiment.measure draws the prompt.
+    generator = torch.Generator().manual_seed(spec["seed"])
     ids = torch.randint(0, config.vocab_size, (spec["batch"], spec["prompt"]), generator=generator).to(spec["device"])
+    options = dict(max_new_tokens=spec["new"], min_new_tokens=spec["new"], do_sample=False,
+                   num_beams=spec["num_beams"], num_return_sequences=1, pad_token_id=0)
+    if spec["num_beams"] > 1:
+        options["early_stopping"] = True  # moot without EOS (no beam finishes); the length check below proves it
+    if spec["cache_implementation"]:
+        options["cache_implementation"] = spec["cache_implementation"]
+    gc.collect()  # nothing of the previous point may die inside this one's meter
     with torch.inference_mode(), MemoryMeter(spec["device"], model) as meter:
-        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=spec["new"],
-                       min_new_tokens=spec["new"], do_sample=False, pad_token_id=0)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+    if out.shape != (spec["batch"], spec["prompt"] + spec["new"]):
+        raise RuntimeError(f"generate() returned shape {tuple(out.shape)}, not (batch, prompt + new)")
     report = meter.report()
-    return dict(transformers_version=transformers.__version__, torch_version=torch.__version__,
-                baseline_bytes=report.baseline_bytes, peak_bytes=report.peak_bytes,
-                overhead_bytes=report.overhead_bytes, meter=report.method, **{k: spec[k] for k in (
-                    "batch", "prompt", "new", "device", "dtype")})
+    tokens = out[:, spec["prompt"]:].tolist()
+    point = {k: v for k, v in spec.items() if k not in ("model_type", "config")}
+    return dict(point, baseline_bytes=report.baseline_bytes, peak_bytes=report.peak_bytes,
+                overhead_bytes=report.overhead_bytes, meter=report.method, weights_sha256=weights_digest(model),
+                tokens_sha256=hashlib.sha256(json.dumps(tokens).encode()).hexdigest(), tokens=tokens)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--version", default="4.40.1", help=f"one of {', '.join([*RELEASES, INSTALLED])}")
     parser.add_argument("--preset", default="toy")
+    parser.add_argument("--overrides", default=None, help="e.g. num_key_value_heads=2")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--prompt", type=int, default=64)
     parser.add_argument("--new", type=int, default=512)
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--strategy", default="greedy", choices=STRATEGIES)
+    parser.add_argument("--num-beams", type=int, default=4)
+    parser.add_argument("--cache-implementation", default=None, help="installed 5.x only, e.g. static")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--tokens", action="store_true", help="keep the generated token ids in the output")
     args = parser.parse_args(argv)
     if args.worker:
         print(json.dumps(_worker(json.loads(args.worker))))
         return
-    install_legacy_transformers()
-    print(json.dumps(measure_legacy_generate(args.preset, None, args.batch, args.prompt, args.new, args.device,
-                                             args.dtype)))
+    record = measure_reference(args.version, args.preset, args.overrides, args.batch, args.prompt, args.new,
+                               args.dtype, args.strategy, args.num_beams, args.cache_implementation, args.device)
+    if not args.tokens:
+        record.pop("tokens")
+    print(json.dumps(record))
 
 
 if __name__ == "__main__":
