@@ -10,7 +10,7 @@ import json
 import sys
 
 from .caches import CACHES
-from .decode import PATTERNS, STRATEGIES
+from .decode import LOOPS, STRATEGIES
 from .experiment import DEFAULTS
 from .models import PRESETS
 
@@ -20,7 +20,7 @@ def _point_arguments(parser: argparse.ArgumentParser, defaults: dict = DEFAULTS)
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, repeatable (e.g. num_hidden_layers=2)")
     parser.add_argument("--cache", default=None, help=f"one of {', '.join(CACHES)}")
-    parser.add_argument("--pattern", default=None, help=f"one of {', '.join(PATTERNS)}")
+    parser.add_argument("--loop", default=None, help=f"the release whose generate() loop to run: one of {', '.join(LOOPS)}")
     parser.add_argument("--strategy", default=None, help=f"one of {', '.join(STRATEGIES)}")
     for name in ("batch", "prompt", "new", "restart-new", "num-beams", "chunk-limit", "block-tokens", "seed"):
         parser.add_argument(f"--{name}", type=int, default=None)
@@ -29,7 +29,7 @@ def _point_arguments(parser: argparse.ArgumentParser, defaults: dict = DEFAULTS)
 
 
 def _point_params(args) -> dict:
-    keys = ("preset", "cache", "pattern", "strategy", "batch", "prompt", "new", "restart_new", "num_beams",
+    keys = ("preset", "cache", "loop", "strategy", "batch", "prompt", "new", "restart_new", "num_beams",
             "chunk_limit", "block_tokens", "seed", "device", "dtype")
     params = {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
     if args.override:
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
     _point_arguments(predict)
     predict.set_defaults(func=cmd_predict)
 
-    compare = sub.add_parser("compare", help="legacy vs every in-place design on the default device")
+    compare = sub.add_parser("compare", help="the tuple cache of <= 4.41 vs every later design, on the default device")
     compare.add_argument("--device", default="auto")
     compare.add_argument("--preset", default=None, help="default: toy on CPU, tinyllama-1.1b on CUDA (see kvlab/sweeps/)")
     compare.add_argument("--batch", type=int, default=None)

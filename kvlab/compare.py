@@ -1,4 +1,4 @@
-"""The main job: legacy vs every in-place cache design on the default device.
+"""The main job: the tuple cache of transformers <= 4.41 vs every later design, on the default device.
 
 It runs a small shipped sweep (`cpu-default` on CPU: the toy preset in fp32; `cuda-default` on a
 GPU: TinyLlama-1.1B in bf16 at the PR's shape), one fresh kernel per point, then prints the
@@ -25,7 +25,7 @@ def comparison_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per design at the longest generation of the sweep."""
     rows = df[(df["status"] == "ok") & (df["new"] == df["new"].max())]
     return pd.DataFrame({
-        "cache": rows["cache"], "pattern": rows["pattern"],
+        "cache": rows["cache"], "loop": rows["loop"],
         "overhead_MiB": (rows["overhead_bytes"] / MIB).round(2),
         "overhead/KV": rows["overhead_over_kv"].round(3),
         "predicted_MiB": (rows["predicted_overhead_bytes"] / MIB).round(2),
@@ -46,7 +46,7 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
     results = run_sweep(points, out, command="python -m kvlab compare")
     failed = results[results["status"] != "ok"]
     for _, row in failed.iterrows():
-        print(f"{row['status']}: {row['cache']}/{row['pattern']} new={row['new']}: {row['error']}")
+        print(f"{row['status']}: {row['cache']}/{row['loop']} new={row['new']}: {row['error']}")
     table = comparison_table(results)
 
     from . import plots
@@ -65,11 +65,10 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
           f"batch {first['batch']}, prompt {first['prompt']}, {first['new']} new tokens, greedy; "
           f"final KV cache {first['kv_final_bytes'] / MIB:.1f} MiB")
     print(table.to_string(index=False))
-    baseline = longest[(longest["cache"] == "legacy") & (longest["pattern"] == "legacy")]["overhead_bytes"]
-    best = longest[longest["pattern"] == "fixed"]
-    best = best[best["cache"] != "legacy"]["overhead_bytes"].min()
+    baseline = longest[(longest["cache"] == "tuple") & (longest["loop"] == "v4.40")]["overhead_bytes"]
+    best = longest[(longest["loop"] == "v5") & (longest["cache"] != "tuple")]["overhead_bytes"].min()
     if len(baseline) and best:
-        print(f"\nlegacy (<= 4.41) / best in-place overhead: {baseline.iloc[0] / best:.2f}x")
+        print(f"\ntuple / v4.40 (<= 4.41) over the best v5 design's overhead: {baseline.iloc[0] / best:.2f}x")
     print(f"\nresults: {out / 'results.csv'}")
     for figure in figures:
         print(f"figure:  {figure}")

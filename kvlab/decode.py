@@ -1,17 +1,21 @@
-"""One decoding loop: greedy, seeded sampling and beam search, in two reference patterns.
+"""One decoding loop for greedy, seeded sampling and beam search, as three transformers releases ran it.
 
-pattern="legacy" is what transformers <= 4.41 `generate()` kept alive between steps:
-  - the forward upcast the logits of every position to fp32, and the next-token logits were a view
-    into them; the previous step's `outputs` was only dropped when the next forward returned, so
-    the prompt's full-vocabulary logits lived into step 2;
-  - the cache travelled as a tuple that the loop held while the forward built the new one;
-  - beam search reordered the tuple into a new tuple while `outputs` still held the old one;
-  - SDPA attention materialized `repeat_kv` copies of a layer's keys and values for GQA models
-    (today's SDPA path passes `enable_gqa` instead).
-pattern="fixed" is what transformers PR #30536 (4.42) changed: clone the last token's logits and
-delete `outputs` each step; reorder beams layer by layer so each old layer dies at once.
+A loop is what `generate()` kept alive between and inside steps; a cache design (kvlab.caches) is
+where the keys and values live. Any loop runs with any design; the releases are:
 
-The loop never stops early (there is no EOS), so every run decodes exactly `new_tokens` steps.
+- v4.40 (transformers <= 4.41): the forward upcast the logits of every position to fp32 and the
+  next-token logits were a view into them; the previous step's `outputs` was only dropped when the
+  next forward returned, so the prompt's full-vocabulary logits lived into step 2; beam search built
+  a reordered tuple while `outputs` still held the old one.
+- v4.42 (PR #30536 as released): `outputs` deleted and the last token's logits cloned every step;
+  beams reordered layer by layer, each old layer freed before the next is copied. The forward still
+  upcast every position's logits to fp32 (the prompt's logits exist twice, briefly, in step 1).
+- v5 (transformers 5.x `generate()`): the forward computes the last position's logits only
+  (`logits_to_keep=1`) and does not upcast them; `generate()` clones them to fp32.
+
+v4.40 and v4.42 also ran SDPA on `repeat_kv` copies of a layer's keys and values for grouped-query
+models (today's SDPA passes `enable_gqa` instead). The loop never stops early (there is no EOS), so
+every run decodes exactly `new_tokens` steps.
 """
 
 from __future__ import annotations
@@ -25,29 +29,53 @@ from transformers import AttentionInterface, LogitsProcessorList, TemperatureLog
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .caches import LegacyTupleCache, cache_length, cache_tensors, make_cache, num_layers
+from .caches import TupleRoundTripCache, cache_length, cache_tensors, make_cache, num_layers
 from .compat import cache_argument, cache_from_outputs
 
-PATTERNS = ("legacy", "fixed")
+
+
+@dataclass(frozen=True)
+class Loop:
+    """What one release's `generate()` kept alive; see the module docstring."""
+
+    name: str
+    keeps_previous_outputs: bool  # the previous step's `outputs` (its logits, the old tuple) lives on
+    upcasts_every_position: bool  # the forward returns fp32 logits for every fed position
+    last_position_logits_only: bool  # `logits_to_keep=1`: no prompt logits at all
+    repeats_kv: bool  # SDPA on repeat_kv copies for grouped-query models
+
+
+LOOPS = {
+    "v4.40": Loop("v4.40", keeps_previous_outputs=True, upcasts_every_position=True, last_position_logits_only=False,
+                  repeats_kv=True),
+    "v4.42": Loop("v4.42", keeps_previous_outputs=False, upcasts_every_position=True, last_position_logits_only=False,
+                  repeats_kv=True),
+    "v5": Loop("v5", keeps_previous_outputs=False, upcasts_every_position=False, last_position_logits_only=True,
+               repeats_kv=False),
+}
+RENAMED_PATTERNS = {"legacy": "v4.40", "fixed": "v4.42 or v5"}  # `pattern` before the fidelity issue
 STRATEGIES = ("greedy", "sample", "beam")
 
 
 @dataclass
 class Generation:
     tokens: torch.Tensor  # (batch * beams, prompt + new)
-    cache: object  # what to continue from: a Cache, or a tuple for the legacy cache
+    cache: object  # what to continue from: a Cache, or a tuple for the tuple design
     seconds: float  # wall time of the decoding loop
 
 
 def check_choice(kind: str, value: str, choices) -> None:
+    if kind == "loop" and value in RENAMED_PATTERNS:
+        raise ValueError(f"the pattern {value!r} is now the loop {RENAMED_PATTERNS[value]!r}; "
+                         f"choose one of: {', '.join(choices)}")
     if value not in choices:
         raise ValueError(f"unknown {kind} {value!r}; choose one of: {', '.join(choices)}")
 
 
-LEGACY_ATTENTION = "kvlab_legacy_sdpa"
+REPEAT_KV_ATTENTION = "kvlab_repeat_kv_sdpa"
 
 
-def _legacy_sdpa(module, query, key, value, attention_mask, **kwargs):
+def _repeat_kv_sdpa(module, query, key, value, attention_mask, **kwargs):
     groups = getattr(module, "num_key_value_groups", 1)
     # The copies are made here, so today's SDPA must not repeat (or pack) a second time.
     module.num_key_value_groups = 1
@@ -58,52 +86,59 @@ def _legacy_sdpa(module, query, key, value, attention_mask, **kwargs):
         module.num_key_value_groups = groups
 
 
-AttentionInterface.register(LEGACY_ATTENTION, _legacy_sdpa)
-AttentionMaskInterface.register(LEGACY_ATTENTION, sdpa_mask)
+AttentionInterface.register(REPEAT_KV_ATTENTION, _repeat_kv_sdpa)
+AttentionMaskInterface.register(REPEAT_KV_ATTENTION, sdpa_mask)
 
 
 @contextlib.contextmanager
-def _attention(model, pattern: str):
-    """Run the <= 4.41 SDPA path (with repeat_kv) for the legacy pattern, today's otherwise."""
+def _release_forward(model, loop: Loop):
+    """Make the model's forward behave as in release `loop`: the <= 4.42 SDPA path (with repeat_kv),
+    and the fp32 upcast of every position's logits inside the forward, while the final hidden states
+    are still alive (as `logits = self.lm_head(hidden_states).float()` was written then)."""
     config = model.config
     before = config._attn_implementation
-    if pattern == "legacy" and before == "sdpa":
-        config._attn_implementation = LEGACY_ATTENTION
+    if loop.repeats_kv and before == "sdpa":
+        config._attn_implementation = REPEAT_KV_ATTENTION
+    hook = None
+    if loop.upcasts_every_position:
+        hook = model.get_output_embeddings().register_forward_hook(lambda module, args, logits: logits.float())
     try:
         yield
     finally:
         config._attn_implementation = before
+        if hook is not None:
+            hook.remove()
 
 
-def _legacy_reorder(past, beam_idx):
-    # <= 4.41: a whole new tuple is built while the caller (and `outputs`) still hold the old one.
+def _reorder_tuple_copy(past, beam_idx):
+    # v4.40: a whole new tuple is built while the caller (and `outputs`) still hold the old one.
     return tuple((k.index_select(0, beam_idx), v.index_select(0, beam_idx)) for k, v in past)
 
 
-def _reorder_layer_by_layer(past, beam_idx):
-    # >= 4.42 for tuples: each layer is replaced, and the old layer freed, before the next is copied.
-    layers = list(past)
-    del past
-    for i, (k, v) in enumerate(layers):
-        layers[i] = None
-        layers[i] = (k.index_select(0, beam_idx), v.index_select(0, beam_idx))
-        del k, v
-    return tuple(layers)
+def _reorder_layers_in_place(layers: list, beam_idx) -> None:
+    """Reorder a list of (keys, values) pairs one tensor at a time; the caller must hold no other
+    reference to the pairs, so each old tensor dies as its reordered copy replaces it."""
+    for i in range(len(layers)):
+        keys, values = layers[i]
+        layers[i] = None  # the pair dies: the old tensors are held by these two names only
+        keys = keys.index_select(0, beam_idx)  # the old keys die here
+        values = values.index_select(0, beam_idx)
+        layers[i] = (keys, values)
 
 
-def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "inplace", pattern: str = "fixed",
+def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "dynamic", loop: str = "v5",
              strategy: str = "greedy", num_beams: int = 4, temperature: float = 1.0, top_k: int = 0,
              top_p: float = 1.0, seed: int = 0, past=None, meter=None, cache_options: dict | None = None) -> Generation:
-    """Decode `new_tokens` tokens after `input_ids`; continue from `past` if given (a restart).
+    """Decode `new_tokens` tokens after `input_ids` as release `loop` did; continue from `past` if given.
 
     `meter` (a `kvlab.memory.MemoryMeter`, already entered) is told where each step ends and which
     tensors are cache and logits, so it can draw the timeline and split the peak.
     """
-    check_choice("pattern", pattern, PATTERNS)
+    check_choice("loop", loop, LOOPS)
     check_choice("strategy", strategy, STRATEGIES)
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be positive, got {new_tokens}")
-    legacy = pattern == "legacy"
+    release = LOOPS[loop]
     device = input_ids.device
     tokens = input_ids
     if strategy == "beam" and past is None:
@@ -116,9 +151,10 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "i
         kv = make_cache(cache, model, **options)
     elif strategy == "beam" and tokens.shape[0] != cache_batch(kv):
         raise ValueError("a beam-search restart needs the tokens of the first call (batch * beams rows)")
-    tuple_cache = cache == "legacy"
+    tuple_cache = cache == "tuple"
     argument = cache_argument(model)
     layers = num_layers(model)
+    logits_to_keep = {"logits_to_keep": 1} if release.last_position_logits_only else {}
 
     generator = torch.Generator(device=device if device.type != "meta" else "cpu").manual_seed(seed)
     warpers = LogitsProcessorList()
@@ -138,11 +174,11 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "i
 
     outputs = None
     start = time.perf_counter()
-    with torch.inference_mode(), _attention(model, pattern):
+    with torch.inference_mode(), _release_forward(model, release):
         for _ in range(new_tokens):
             cached = cache_length(kv)
             seq_len = tokens.shape[1]
-            step_cache = LegacyTupleCache.from_legacy_cache(kv, layers) if tuple_cache else kv
+            step_cache = TupleRoundTripCache.from_tuples(kv, layers) if tuple_cache else kv
             new_outputs = model(
                 input_ids=tokens[:, cached:],
                 # As generate() passes it; on meta there are no values to inspect, and no padding anyway.
@@ -150,17 +186,16 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "i
                     tokens.shape[0], seq_len, dtype=torch.long, device=device),
                 position_ids=torch.arange(cached, seq_len, device=device).unsqueeze(0),
                 use_cache=True,
+                **logits_to_keep,
                 **{argument: step_cache},
             )
-            if legacy:
-                # <= 4.41: all positions upcast in the forward; last token's logits a view into them.
-                new_outputs["logits"] = new_outputs.logits.float()
+            if release.keeps_previous_outputs:
                 outputs = new_outputs  # the previous step's outputs die only now
-                next_logits = outputs.logits[:, -1, :]
+                next_logits = outputs.logits[:, -1, :]  # a view: it keeps all of them alive
             else:
                 next_logits = new_outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32)
             if tuple_cache:
-                kv = step_cache.to_legacy_cache()  # the old tuple dies here, not before
+                kv = step_cache.to_tuples()  # the old tuple dies here, not before
             del step_cache, new_outputs
             if meter is not None:  # before a beam reorder replaces them within this step
                 meter.label(cache_tensors(kv), "kv")
@@ -178,8 +213,13 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "i
                 source_beam = top_ids // vocab + torch.arange(batch, device=device)[:, None] * num_beams
                 beam_idx, next_tokens = source_beam.view(-1), (top_ids % vocab).view(-1)
                 tokens = tokens.index_select(0, beam_idx)
-                if tuple_cache:
-                    kv = _legacy_reorder(kv, beam_idx) if legacy else _reorder_layer_by_layer(kv, beam_idx)
+                if tuple_cache and release.keeps_previous_outputs:
+                    kv = _reorder_tuple_copy(kv, beam_idx)
+                elif tuple_cache:
+                    pairs, kv = list(kv), None  # the list is now the only holder of each pair
+                    _reorder_layers_in_place(pairs, beam_idx)
+                    kv = tuple(pairs)
+                    del pairs
                 else:
                     kv.reorder_cache(beam_idx)
             del next_logits

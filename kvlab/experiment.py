@@ -17,18 +17,19 @@ import torch
 import transformers
 
 from . import __version__, theory
-from .caches import CACHES
-from .decode import PATTERNS, STRATEGIES, check_choice, generate
+from .caches import check_cache_name
+from .decode import LOOPS, STRATEGIES, check_choice, generate
 from .memory import MemoryMeter
 from .models import build_config, check_device, is_hub_id, kv_bytes_per_token, parse_dtype, parse_overrides, resolve_device
 
-# (cache, pattern): the <= 4.41 baseline, its two fixes taken one at a time, then every in-place design.
-DESIGNS = [("legacy", "legacy"), ("legacy", "fixed"), ("inplace", "legacy"),
-           ("list", "fixed"), ("inplace", "fixed"), ("static", "fixed"), ("prealloc", "fixed")]
+# (cache, loop): the <= 4.41 baseline, each of the PR's two fixes alone (v4.42's loop on tuples, v4.40's
+# loop on one cache object), the PR as released, then today's loop with every design.
+DESIGNS = [("tuple", "v4.40"), ("tuple", "v4.42"), ("dynamic", "v4.40"), ("dynamic", "v4.42"),
+           ("dynamic", "v5"), ("list", "v5"), ("static", "v5"), ("prealloc", "v5")]
 
-DEFAULTS = dict(preset="toy", overrides="", cache="inplace", pattern="fixed", strategy="greedy", batch=8,
+DEFAULTS = dict(preset="toy", overrides="", cache="dynamic", loop="v5", strategy="greedy", batch=8,
                 prompt=64, new=512, restart_new=0, num_beams=4, device="auto", dtype="float32", seed=0,
-                chunk_limit=50, block_tokens=32, track_storages="auto")
+                chunk_limit=50, block_tokens=32, track_storages="auto", timing=True)
 
 
 @functools.lru_cache(maxsize=1)
@@ -65,12 +66,14 @@ def provenance(device: str) -> dict:
 
 def normalize(**params) -> dict:
     """Fill defaults and check every choice and size, before anything is allocated."""
+    if "pattern" in params:
+        raise ValueError("the parameter 'pattern' is now 'loop': v4.40 (was legacy), v4.42 or v5 (was fixed)")
     unknown = set(params) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))}; valid: {', '.join(DEFAULTS)}")
     p = {**DEFAULTS, **{k: v for k, v in params.items() if v is not None}}
-    check_choice("cache", p["cache"], CACHES)
-    check_choice("pattern", p["pattern"], PATTERNS)
+    check_cache_name(p["cache"])
+    check_choice("loop", p["loop"], LOOPS)
     check_choice("strategy", p["strategy"], STRATEGIES)
     for key in ("batch", "prompt", "new", "num_beams", "chunk_limit", "block_tokens"):
         p[key] = int(p[key])
@@ -89,6 +92,8 @@ def normalize(**params) -> dict:
     if p["track_storages"] == "auto":
         p["track_storages"] = torch.device(p["device"]).type != "cuda"
     p["track_storages"] = p["track_storages"] in (True, "true", "True", "1", 1)
+    # Timing needs real kernels: the meta device has none.
+    p["timing"] = p["timing"] in (True, "true", "True", "1", 1) and torch.device(p["device"]).type != "meta"
     return p
 
 
@@ -107,7 +112,7 @@ def measure(model=None, **params):
     rows = p["batch"] * (p["num_beams"] if p["strategy"] == "beam" else 1)
     generator = torch.Generator().manual_seed(p["seed"])
     prompt = torch.randint(0, config.vocab_size, (p["batch"], p["prompt"]), generator=generator).to(p["device"])
-    options = dict(cache=p["cache"], pattern=p["pattern"], strategy=p["strategy"], num_beams=p["num_beams"],
+    options = dict(cache=p["cache"], loop=p["loop"], strategy=p["strategy"], num_beams=p["num_beams"],
                    seed=p["seed"], cache_options=dict(chunk_limit=p["chunk_limit"], block_tokens=p["block_tokens"],
                                                       max_cache_len=p["prompt"] + p["new"] + p["restart_new"]))
     if p["strategy"] == "sample":
@@ -115,19 +120,17 @@ def measure(model=None, **params):
     gc.collect()
     meter = MemoryMeter(p["device"], model, track_storages=p["track_storages"])
     with meter:
-        first = generate(model, prompt, p["new"], meter=meter, **options)
-        seconds, generated = first.seconds, p["new"]
-        if p["restart_new"]:
-            # The caller still holds `first` (and so its cache) while the second call runs.
-            second = generate(model, first.tokens, p["restart_new"], past=first.cache, meter=meter, **options)
-            seconds, generated = seconds + second.seconds, generated + p["restart_new"]
-            del second
-        del first
+        metered_seconds = _decode(model, prompt, p, options, meter)
     report = meter.report()
+    seconds = None
+    if p["timing"]:
+        # The live-storage counter runs Python at every op and slows designs unequally: time a run
+        # without it. The CUDA allocator's counters cost nothing, so there the measured run is the timed one.
+        seconds = _decode(model, prompt, p, options, None) if meter.counter is not None else metered_seconds
     kv_final = kv_bytes_per_token(config, rows, p["dtype"]) * (p["prompt"] + p["new"] + p["restart_new"])
     predicted = theory.predict_overhead(config, **{k: p[k] for k in theory.POINT_KEYS})
     record = dict(
-        preset=p["preset"], overrides=p["overrides"], cache=p["cache"], pattern=p["pattern"],
+        preset=p["preset"], overrides=p["overrides"], cache=p["cache"], loop=p["loop"],
         strategy=p["strategy"], batch=p["batch"], prompt=p["prompt"], new=p["new"],
         restart_new=p["restart_new"], num_beams=p["num_beams"] if p["strategy"] == "beam" else 1,
         device=p["device"], dtype=p["dtype"], meter=report.method,
@@ -140,7 +143,21 @@ def measure(model=None, **params):
         kv_at_peak_bytes=report.at_peak["kv"] if p["track_storages"] else None,
         logits_at_peak_bytes=report.at_peak["logits"] if p["track_storages"] else None,
         other_at_peak_bytes=report.at_peak["other"] if p["track_storages"] else None,
-        seconds=round(seconds, 4), tokens_per_s=round(p["batch"] * generated / seconds, 2),
+        seconds=round(seconds, 4) if seconds else None,
+        tokens_per_s=round(p["batch"] * (p["new"] + p["restart_new"]) / seconds, 2) if seconds else None,
         **provenance(p["device"]),
     )
     return record, report
+
+
+def _decode(model, prompt, p, options, meter) -> float:
+    """One run of the point (a restart included); returns the seconds spent decoding."""
+    first = generate(model, prompt, p["new"], meter=meter, **options)
+    seconds = first.seconds
+    if p["restart_new"]:
+        # The caller still holds `first` (and so its cache) while the second call runs.
+        second = generate(model, first.tokens, p["restart_new"], past=first.cache, meter=meter, **options)
+        seconds += second.seconds
+        del second
+    del first
+    return seconds

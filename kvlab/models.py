@@ -36,6 +36,23 @@ PRESETS: dict[str, tuple[type, dict]] = {
         rope_theta=500000.0)),
 }
 
+# Twins: a real model's layers, heads and KV heads, every width divided by TWIN_SCALE. The peak's
+# ratios (logits, activations and MLP bytes per KV byte) stay the same, and a point at the PR's
+# shape runs on a 2-core CPU in under a minute instead of needing a GPU.
+TWIN_SCALE = 32
+TWIN_WIDTHS = ("hidden_size", "intermediate_size", "vocab_size")
+
+
+def _twin(name: str) -> tuple[type, dict]:
+    config_class, values = PRESETS[name]
+    for key in TWIN_WIDTHS:
+        assert values[key] % TWIN_SCALE == 0, f"{name}: {key} is not a multiple of {TWIN_SCALE}"
+    return config_class, {**values, **{key: values[key] // TWIN_SCALE for key in TWIN_WIDTHS}}
+
+
+TWINS = {f"{name}-twin": name for name in ("llama2-7b", "mistral-7b", "llama3-8b")}
+PRESETS.update({twin: _twin(name) for twin, name in TWINS.items()})
+
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 

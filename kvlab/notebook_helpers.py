@@ -60,7 +60,7 @@ class BytesWritten(TorchDispatchMode):
 def summary_table(records: list[dict], extra: tuple[str, ...] = ()) -> pd.DataFrame:
     """The record fields a reader needs, bytes shown in MiB, one row per measured point."""
     df = pd.DataFrame(records)
-    table = pd.DataFrame({key: df[key] for key in ("cache", "pattern", *extra) if key in df})
+    table = pd.DataFrame({key: df[key] for key in ("cache", "loop", *extra) if key in df})
     table["KV_MiB"] = (df["kv_final_bytes"] / MIB).round(2)
     table["peak_above_weights_MiB"] = (df["overhead_bytes"] / MIB).round(2)
     table["peak/KV"] = df["overhead_over_kv"].round(2)
@@ -125,7 +125,7 @@ def plot_at_peak(reports: dict, title: str = "", include_weights: bool = False):
         left += df[category]
     ax.invert_yaxis()
     ax.set_xlabel("bytes live at the peak (MiB)" + ("" if include_weights else ", weights excluded"))
-    ax.set_ylabel("cache / reference pattern")
+    ax.set_ylabel("cache / loop")
     ax.legend(loc="lower right", fontsize=8)
     ax.grid(axis="x", alpha=0.3)
     if title:

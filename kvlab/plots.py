@@ -2,8 +2,8 @@
 
 Each function takes the table `kvlab.sweep.load_results` returns (one row per point) and returns a
 Figure or a DataFrame. Measurements are solid lines, `kvlab.theory`'s prediction dashed in the same
-colour, and the final KV cache (1x and 2x) in grey: the legacy design should sit on 2x, the in-place
-designs near 1x.
+colour, and the final KV cache (1x and 2x) in grey: the tuple cache of v4.40 should sit on 2x, the
+one-object designs near 1x.
 """
 
 from __future__ import annotations
@@ -18,15 +18,16 @@ from .models import build_config
 MIB, GIB = 2**20, 2**30
 SIZES = ("new", "batch", "prompt")
 AXIS_NAMES = {"new": "new tokens", "batch": "batch size", "prompt": "prompt length (tokens)"}
-DESIGNS = [f"{cache} / {pattern}" for cache, pattern in experiment.DESIGNS]
-MARKERS = "osD^vPX"
-BASELINE, FIXED = ("legacy", "legacy"), ("inplace", "fixed")
+DESIGNS = [f"{cache} / {loop}" for cache, loop in experiment.DESIGNS]
+MARKERS = "osD^vPX*"
+# Before and after PR #30536, as released: the ratio the PR reports.
+BASELINE, FIXED = ("tuple", "v4.40"), ("dynamic", "v4.42")
 
 
 def measured(df: pd.DataFrame) -> pd.DataFrame:
-    """The points that ran (status ok), with a `design` column ("cache / pattern")."""
+    """The points that ran (status ok), with a `design` column ("cache / loop")."""
     df = df[df["status"] == "ok"] if "status" in df else df
-    return df.assign(design=df["cache"] + " / " + df["pattern"])
+    return df.assign(design=df["cache"] + " / " + df["loop"])
 
 
 def _config(row):
@@ -99,7 +100,7 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new"):
             line = part[part["design"] == design]
             if line.empty:
                 continue
-            # Designs often coincide (legacy / fixed on legacy / legacy): hollow, shrinking markers keep each visible.
+            # Designs often coincide (tuple / v4.42 on tuple / v4.40): hollow, shrinking markers keep each visible.
             ax.plot(line[vary], line["overhead_bytes"] / scale, "-", marker=MARKERS[designs.index(design) % len(MARKERS)],
                     markersize=10 - designs.index(design), fillstyle="none", markeredgewidth=1.5,
                     color=colours[design], label=design)
@@ -122,21 +123,21 @@ def _factors(row) -> tuple[float, float]:
 
 
 def improvement_table(df: pd.DataFrame, vary: str = "new") -> pd.DataFrame:
-    """Legacy overhead / in-place overhead at each point of a series, beside the PR's minimal and
+    """v4.40 tuple overhead / v4.42 dynamic overhead at each point of a series, beside the PR's minimal and
     maximal improvement factors from kvlab.theory."""
     rows = series(measured(df), vary)
     keys = ["preset", "dtype", "device", "overrides", "batch", "prompt", "new"]
-    pick = lambda design: rows[(rows["cache"] == design[0]) & (rows["pattern"] == design[1])].set_index(keys)
-    legacy, fixed = pick(BASELINE)["overhead_bytes"], pick(FIXED)["overhead_bytes"]
-    table = (legacy / fixed).dropna().rename("measured").reset_index()
+    pick = lambda design: rows[(rows["cache"] == design[0]) & (rows["loop"] == design[1])].set_index(keys)
+    before, after = pick(BASELINE)["overhead_bytes"], pick(FIXED)["overhead_bytes"]
+    table = (before / after).dropna().rename("measured").reset_index()
     if table.empty:
-        raise ValueError("the table needs both legacy/legacy and inplace/fixed points")
+        raise ValueError("the table needs both tuple/v4.40 and dynamic/v4.42 points")
     table[["minimal", "maximal"]] = table.apply(_factors, axis=1, result_type="expand")
     return table.round({"measured": 3, "minimal": 3, "maximal": 3})
 
 
 def improvement_figure(df: pd.DataFrame, sizes=SIZES):
-    """One panel per size: measured legacy / in-place ratio between the PR's bounds."""
+    """One panel per size: measured v4.40 / v4.42 ratio between the PR's bounds."""
     tables = {}
     for vary in sizes:
         try:
@@ -152,7 +153,7 @@ def improvement_figure(df: pd.DataFrame, sizes=SIZES):
             ax.plot(part[vary], part["minimal"], "--", color="tab:red", label=f"minimal factor{label}")
         ax.axhline(1, color="grey", linewidth=1)
         ax.set_xlabel(AXIS_NAMES[vary])
-        ax.set_ylabel("legacy / in-place peak overhead (x)")
+        ax.set_ylabel("v4.40 tuple / v4.42 dynamic overhead (x)")
         ax.grid(alpha=0.3)
     axes[0][0].legend(fontsize=8)
     fig.tight_layout()
@@ -161,7 +162,7 @@ def improvement_figure(df: pd.DataFrame, sizes=SIZES):
 
 def compare_figure(df: pd.DataFrame):
     """Measured overhead above the weights per design, with the analytic prediction and 1x / 2x KV."""
-    df = df.assign(design=df["cache"] + " / " + df["pattern"],
+    df = df.assign(design=df["cache"] + " / " + df["loop"],
                    measured=df["overhead_bytes"] / MIB, predicted=df["predicted_overhead_bytes"] / MIB)
     kv = df["kv_final_bytes"].iloc[0] / MIB
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -173,7 +174,7 @@ def compare_figure(df: pd.DataFrame):
                 transform=ax.get_xaxis_transform())
     first = df.iloc[0]
     ax.set_xlabel("peak memory above the weights (MiB)")
-    ax.set_ylabel("cache / reference pattern")
+    ax.set_ylabel("cache / loop")
     ax.set_title(f"{first['preset']} {first['dtype']} on {first['device']}: batch {first['batch']}, "
                  f"prompt {first['prompt']}, {first['new']} new tokens")
     ax.legend(loc="lower right")

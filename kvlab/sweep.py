@@ -2,7 +2,7 @@
 
     python -m kvlab sweep cpu-default --out results/cpu-default
     python -m kvlab sweep cpu-new-tokens --grid batch=2 --dry-run
-    python -m kvlab.sweep --grid cache=legacy,inplace --grid new=64,128 --out results/mine
+    python -m kvlab.sweep --grid cache=tuple,dynamic --grid new=64,128 --out results/mine
 
 Each point executes `notebooks/03_experiment_point.ipynb` in a new kernel, so one point's memory (or
 crash) never leaks into the next. The executed notebook is kept under OUT/notebooks/, and one row per
@@ -12,7 +12,7 @@ out of memory or failed becomes a row with its status and error, and the sweep g
 
 A sweep file (YAML) has `fixed:` parameters shared by every point and `grid:` lists whose product
 gives the points. A grid entry whose values are mappings sets several parameters together, e.g.
-`design: [{cache: legacy, pattern: legacy}, {cache: inplace, pattern: fixed}]`.
+`design: [{cache: tuple, loop: v4.40}, {cache: dynamic, loop: v5}]`.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def expand(fixed: dict | None = None, grid: dict | None = None) -> list[dict]:
     for combination in itertools.product(*grid.values()):
         point = dict(fixed)
         for key, value in zip(grid, combination):
-            if isinstance(value, dict):  # a group of parameters set together, e.g. cache + pattern
+            if isinstance(value, dict):  # a group of parameters set together, e.g. cache + loop
                 point.update(value)
             else:
                 point[key] = value
@@ -130,7 +130,7 @@ def point_id(params: dict) -> str:
 def point_label(params: dict) -> str:
     """A readable file name for a point's notebook and record."""
     overrides = "".join(ch if ch.isalnum() else "-" for ch in params["overrides"])
-    parts = [params["preset"].replace("/", "-"), overrides, params["cache"], params["pattern"], params["strategy"],
+    parts = [params["preset"].replace("/", "-"), overrides, params["cache"], params["loop"], params["strategy"],
              f"b{params['batch']}", f"p{params['prompt']}", f"n{params['new']}"]
     return "_".join(part for part in parts if part) + f"_{point_id(params)}"
 
@@ -304,7 +304,7 @@ def run_sweep(points_or_grid, out, *, fixed: dict | None = None, notebook: str |
     try:
         with _kernel_environment(todo), tqdm(todo, desc=f"sweep {out.name}", unit="point", disable=not progress) as bar:
             for params in bar:
-                bar.set_postfix_str(f"{params['cache']}/{params['pattern']} b{params['batch']} p{params['prompt']} "
+                bar.set_postfix_str(f"{params['cache']}/{params['loop']} b{params['batch']} p{params['prompt']} "
                                     f"n{params['new']}")
                 row = run_one(params, out, notebook, kernel_name)
                 append_row(results, row)

@@ -3,7 +3,7 @@
 Nothing here is fitted to a measurement. Each decoding step is walked through its phases (cache
 update at the last layer, the MLP, the lm_head, a beam reorder) and the bytes alive in each phase
 are counted from shapes: the cache each design holds, the copies its update makes, the logits the
-pattern keeps, and the activations of one layer. The peak is the largest phase over all steps.
+loop keeps, and the activations of one layer. The peak is the largest phase over all steps.
 
 Units: t = bytes of one layer's keys (or values) for one token = rows x kv_heads x head_dim x dtype;
 one token of the whole cache is 2 x layers x t.
@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import math
 
+from .decode import LOOPS
 from .models import element_size, head_dim, kv_bytes_per_token
 
-POINT_KEYS = ("cache", "pattern", "strategy", "batch", "prompt", "new", "restart_new", "num_beams", "dtype",
+POINT_KEYS = ("cache", "loop", "strategy", "batch", "prompt", "new", "restart_new", "num_beams", "dtype",
               "chunk_limit", "block_tokens")
 INT64 = 8
 FP32 = 4
@@ -61,29 +62,30 @@ def _steps(prompt, new, restart_new):
     return steps
 
 
-def peak_phases(config, cache="inplace", pattern="fixed", strategy="greedy", batch=8, prompt=64, new=512,
+def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, prompt=64, new=512,
                 restart_new=0, num_beams=4, dtype="float32", chunk_limit=50, block_tokens=32):
     """Every phase's bytes above the weights; returns (peak, the phase that makes it, its terms, final KV)."""
     s = Shape(config, batch, dtype, strategy, num_beams)
-    tuple_cache, legacy = cache == "legacy", pattern == "legacy"
+    release = LOOPS[loop]
+    tuple_cache, keeps_outputs = cache == "tuple", release.keeps_previous_outputs
     max_len = prompt + new + restart_new
     capacity_of = lambda n: math.ceil(n / block_tokens) * block_tokens  # noqa: E731
     groups = s.heads // s.kv_heads
     held_after_first = prompt + new - 1  # the caller's tuple during a restart
     chunks = 0
     best = (-1, None, None)
-    prev_logits = 0  # legacy: the previous step's outputs (fp32 logits of every fed position)
+    prev_logits = 0  # v4.40: the previous step's outputs (fp32 logits of every fed position)
 
     for index, (call, fed, before, after) in enumerate(_steps(prompt, new, restart_new)):
         first_of_call = index == 0 or (call == 1 and before == held_after_first)
         persistent = {
             "tokens and attention mask (int64)": 2 * s.rows * after * INT64,
-            "previous step's logits (legacy pattern)": prev_logits,
+            "previous step's logits (v4.40)": prev_logits,
         }
         if tuple_cache and call == 1 and not first_of_call:
             persistent["tuple the caller still holds (restart)"] = s.kv(held_after_first)
-        if tuple_cache and legacy and strategy == "beam" and before > 0:
-            persistent["un-reordered tuple held by outputs (beam)"] = s.kv(before)
+        if tuple_cache and keeps_outputs and strategy == "beam" and before > 0:
+            persistent["un-reordered tuple held by outputs (beam, v4.40)"] = s.kv(before)
         old_tuple = s.kv(before) if tuple_cache else 0
         held_after = _held(s, cache, after, capacity_of, max_len)
         # Alive in the last layer: the embeddings, the residual stream, the normed input, q, k, v (and
@@ -95,7 +97,7 @@ def peak_phases(config, cache="inplace", pattern="fixed", strategy="greedy", bat
         # Phase: the last layer's cache update and attention.
         update = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
                   "activations of one layer": layer_acts}
-        if cache in ("inplace", "legacy") and not tuple_cache and before > 0:
+        if cache == "dynamic" and before > 0:
             update["old values tensor during its cat"] = s.t * before
         if cache == "list":
             chunks = 1 if index == 0 else chunks + 1
@@ -106,8 +108,8 @@ def peak_phases(config, cache="inplace", pattern="fixed", strategy="greedy", bat
                 update["keys and values concatenated for attention"] = 2 * s.t * after
         if cache == "prealloc" and before > 0 and capacity_of(after) > capacity_of(before):
             update["old values buffer during growth"] = s.t * capacity_of(before)
-        if legacy and groups > 1:
-            update["repeat_kv copies of one layer (legacy SDPA)"] = 2 * groups * s.t * (
+        if release.repeats_kv and groups > 1:
+            update["repeat_kv copies of one layer (<= 4.42 SDPA)"] = 2 * groups * s.t * (
                 max_len if cache == "static" else after)
         phases = {"update": update}
 
@@ -116,24 +118,23 @@ def peak_phases(config, cache="inplace", pattern="fixed", strategy="greedy", bat
                          "gate, up and their product": 3 * s.rows * fed * s.intermediate * s.e,
                          "embeddings, residual stream and normed input": hidden_states + s.rows * fed * s.hidden * s.e,
                          "rotary cos and sin": rotary}
-        # Phase: the lm_head and, for the legacy pattern, the fp32 upcast of every position.
-        logits = s.rows * fed * s.vocab * s.e
+        # Phase: the lm_head; <= 4.42 also upcast every fed position's logits to fp32 in the forward.
+        kept = 1 if release.last_position_logits_only else fed
         phases["lm_head"] = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
-                             "logits of every fed position": logits,
-                             "fp32 upcast of those logits (legacy pattern)": s.rows * fed * s.vocab * FP32
-                             if legacy and s.e != FP32 else 0,
+                             "logits of the kept positions": s.rows * kept * s.vocab * s.e,
+                             "fp32 upcast of every position's logits (<= 4.42)": s.rows * fed * s.vocab * FP32
+                             if release.upcasts_every_position and s.e != FP32 else 0,
                              "final hidden states": s.rows * fed * s.hidden * s.e}
         # Phase: beam reorder after the forward.
         if strategy == "beam":
-            if tuple_cache and legacy:
+            if tuple_cache and keeps_outputs:
                 reorder = {"un-reordered tuple (held by outputs)": s.kv(after), "reordered tuple": s.kv(after)}
-            elif tuple_cache:
-                reorder = {"tuple": s.kv(after), "one reordered layer": 2 * s.t * after}
-            else:
-                reorder = {"cache": held_after, "one reordered tensor": s.t * (
-                    capacity_of(after) if cache == "prealloc" else max_len if cache == "static" else after)}
-            reorder["logits kept (legacy pattern)" if legacy else "next-token logits (fp32)"] = (
-                s.rows * fed * s.vocab * FP32 if legacy else s.rows * s.vocab * FP32)
+            else:  # one tensor at a time, the old one freed before the next is copied
+                largest = {"prealloc": capacity_of(after), "static": max_len,
+                           "list": after - (chunks - 1)}.get(cache, after)  # list: its largest chunk
+                reorder = {"cache": held_after, "one reordered tensor": s.t * largest}
+            reorder["logits kept (v4.40)" if keeps_outputs else "next-token logits (fp32)"] = (
+                s.rows * fed * s.vocab * FP32 if keeps_outputs else s.rows * s.vocab * FP32)
             phases["beam reorder"] = reorder
 
         for name, terms in phases.items():
@@ -141,7 +142,7 @@ def peak_phases(config, cache="inplace", pattern="fixed", strategy="greedy", bat
             total = sum(terms.values())
             if total > best[0]:
                 best = (total, f"step {index} ({'restart ' if call else ''}{name})", terms)
-        prev_logits = s.rows * fed * s.vocab * FP32 if legacy else 0
+        prev_logits = s.rows * fed * s.vocab * FP32 if keeps_outputs else 0
     return best[0], best[1], best[2], s.kv(max_len)
 
 
@@ -159,16 +160,16 @@ def explain(config, **point) -> dict:
 
 
 def improvement_factors(config, batch=1, prompt=300, new=500, dtype="bfloat16"):
-    """The PR's bounds on legacy / fixed peak, for a config, batch and prompt.
+    """The PR's bounds on the v4.40 / v4.42 peak (tuple cache before, one dynamic cache after).
 
-    Maximal: the cache dominates (many new tokens): the legacy peak holds two caches, the fix one.
-    Minimal: two new tokens, where the legacy peak is at step 2 (2 x prompt cache + the leaked
-    first-iteration logits) and the fix is bounded by the prompt's own forward.
+    Maximal: the cache dominates (many new tokens): v4.40's peak holds two caches, v4.42's one.
+    Minimal: two new tokens, where v4.40's peak is at step 2 (2 x prompt cache + the leaked
+    first-iteration logits) and v4.42's is bounded by the prompt's own forward.
     """
     point = dict(batch=batch, prompt=prompt, dtype=dtype)
 
     def ratio(n):
-        return (predict_overhead(config, cache="legacy", pattern="legacy", new=n, **point)
-                / predict_overhead(config, cache="inplace", pattern="fixed", new=n, **point))
+        return (predict_overhead(config, cache="tuple", loop="v4.40", new=n, **point)
+                / predict_overhead(config, cache="dynamic", loop="v4.42", new=n, **point))
 
     return ratio(2), ratio(max(new, 16 * prompt))

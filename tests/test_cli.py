@@ -3,14 +3,13 @@
 import json
 import subprocess
 import sys
-import time
 
 import pytest
 import torch
 
 from kvlab.experiment import DEFAULTS
 
-RECORD_FIELDS = {"preset", "overrides", "cache", "pattern", "strategy", "batch", "prompt", "new", "device", "dtype",
+RECORD_FIELDS = {"preset", "overrides", "cache", "loop", "strategy", "batch", "prompt", "new", "device", "dtype",
                  "baseline_bytes", "peak_bytes", "overhead_bytes", "reserved_peak_bytes", "kv_final_bytes",
                  "predicted_overhead_bytes", "tokens_per_s", "torch_version", "transformers_version",
                  "kvlab_version", "device_name", "git_commit"}
@@ -34,8 +33,10 @@ def test_measure_prints_one_flat_json_record():
 
 BAD_INPUTS = [
     (["--preset", "gpt5"], "toy, tinyllama-1.1b"),
-    (["--cache", "paged"], "legacy, list, inplace, static, prealloc"),
-    (["--pattern", "old"], "legacy, fixed"),
+    (["--cache", "paged"], "tuple, dynamic, list, static, prealloc"),
+    (["--cache", "inplace"], "now called 'dynamic'"),
+    (["--loop", "v4.41"], "v4.40, v4.42, v5"),
+    (["--loop", "fixed"], "now the loop 'v4.42 or v5'"),
     (["--strategy", "topk"], "greedy, sample, beam"),
     (["--batch", "0"], "batch must be a positive integer"),
     (["--new", "-5"], "new must be a positive integer"),
@@ -48,13 +49,24 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("args, names", BAD_INPUTS)
-def test_bad_input_exits_non_zero_with_one_line_naming_the_choices(args, names):
-    started = time.perf_counter()
-    result = kvlab("measure", *args)
-    assert result.returncode == 2
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and names in lines[0], result.stderr
-    assert time.perf_counter() - started < 60  # no model was built or run
+def test_bad_input_exits_with_one_line_naming_the_choices_before_any_model_is_built(args, names, monkeypatch,
+                                                                                    capsys):
+    import kvlab.models
+    from kvlab.__main__ import main
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built for bad input")
+    monkeypatch.setattr(kvlab.models, "build_model", no_model)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["measure", *args])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and names in lines[0], lines
+
+
+def test_bad_input_from_the_shell_exits_2():
+    result = kvlab("measure", "--cache", "paged")
+    assert result.returncode == 2 and result.stderr.startswith("kvlab measure: error: unknown cache 'paged'")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
@@ -69,8 +81,8 @@ def test_compare_refuses_bad_input_before_running():
 
 
 def test_predict_explains_the_peak():
-    result = kvlab("predict", "--preset", "llama2-7b", "--dtype", "bfloat16", "--cache", "legacy",
-                   "--pattern", "legacy", "--batch", "8", "--prompt", "300", "--new", "500", "--device", "meta")
+    result = kvlab("predict", "--preset", "llama2-7b", "--dtype", "bfloat16", "--cache", "tuple",
+                   "--loop", "v4.40", "--batch", "8", "--prompt", "300", "--new", "500", "--device", "meta")
     assert result.returncode == 0, result.stderr
     explained = json.loads(result.stdout)
     assert explained["kv_final_bytes"] == 3.125 * 2**30

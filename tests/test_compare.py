@@ -15,9 +15,9 @@ def test_compare_writes_results_figures_and_the_executed_analysis(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     results = pd.read_csv(out / "results.csv")
     assert len(results) == len(DESIGNS) and set(results["status"]) == {"ok"}
-    assert set(zip(results["cache"], results["pattern"])) == set(DESIGNS)
+    assert set(zip(results["cache"], results["loop"])) == set(DESIGNS)
     assert (results["prediction_error"].abs() <= 0.05).all()
     for name in ("compare.png", "04_analysis.ipynb"):
         assert (out / name).stat().st_size > 0
         assert str(out / name) in result.stdout
-    assert "legacy (<= 4.41) / best in-place overhead" in result.stdout
+    assert "tuple / v4.40 (<= 4.41) over the best v5 design's overhead" in result.stdout

@@ -36,23 +36,23 @@ def rows_of(path):
 
 def test_grid_items_parse():
     assert sweep.parse_grid_item("new=4,8") == ("new", [4, 8])
-    assert sweep.parse_grid_item("cache=legacy") == ("cache", ["legacy"])
+    assert sweep.parse_grid_item("cache=tuple") == ("cache", ["tuple"])
     assert sweep.parse_grid_item("overrides=num_hidden_layers=1,vocab_size=500") == \
         ("overrides", ["num_hidden_layers=1,vocab_size=500"])
 
 
 def test_grid_groups_set_parameters_together():
-    points = sweep.expand({"batch": 1}, {"design": [{"cache": "legacy", "pattern": "legacy"},
-                                                     {"cache": "inplace", "pattern": "fixed"}], "new": [4, 8]})
+    points = sweep.expand({"batch": 1}, {"design": [{"cache": "tuple", "loop": "v4.40"},
+                                                     {"cache": "dynamic", "loop": "v5"}], "new": [4, 8]})
     assert len(points) == 4
-    assert {(p["cache"], p["pattern"], p["new"]) for p in points} == {
-        ("legacy", "legacy", 4), ("legacy", "legacy", 8), ("inplace", "fixed", 4), ("inplace", "fixed", 8)}
+    assert {(p["cache"], p["loop"], p["new"]) for p in points} == {
+        ("tuple", "v4.40", 4), ("tuple", "v4.40", 8), ("dynamic", "v5", 4), ("dynamic", "v5", 8)}
     assert all(p["batch"] == 1 for p in points)
 
 
 @pytest.mark.parametrize("grid, message", [
     (["--grid", "colour=red,blue"], "valid"),                   # unknown key: names the valid keys
-    (["--grid", "cache=legacy,tuple"], "choose one of"),        # unknown cache: names the designs
+    (["--grid", "cache=tuple,paged"], "choose one of"),        # unknown cache: names the designs
     (["--grid", "new=4,0"], "positive"),                        # non-positive size
     (["--grid", "batch=-1"], "positive"),
     (["--grid", "new"], "key=v1,v2"),                            # malformed
@@ -70,10 +70,10 @@ def test_bad_grid_exits_before_running(tmp_path, capsys, grid, message):
 
 
 def test_bad_grid_from_the_command_line(tmp_path):
-    result = subprocess.run(sweep_command(tmp_path / "out", ("cache", "inplace,tuple")), cwd=ROOT,
+    result = subprocess.run(sweep_command(tmp_path / "out", ("cache", "dynamic,paged")), cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
-    assert "unknown cache 'tuple'" in result.stderr and "legacy, list, inplace, static, prealloc" in result.stderr
+    assert "unknown cache 'paged'" in result.stderr and "tuple, dynamic, list, static, prealloc" in result.stderr
     assert not (tmp_path / "out").exists()
 
 
@@ -81,14 +81,14 @@ def test_shipped_sweep_by_name_from_the_cli(tmp_path):
     result = subprocess.run([sys.executable, "-m", "kvlab", "sweep", "cpu-default", "--dry-run"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "14 points" in result.stdout
+    assert "8 points" in result.stdout
 
 
 def test_command_line_values_win_over_the_file(capsys):
-    sweep.main(["cpu-default", "--grid", "cache=inplace", "--grid", "new=64", "--dry-run"])
+    sweep.main(["cpu-default", "--grid", "cache=dynamic", "--grid", "new=64", "--dry-run"])
     listing = capsys.readouterr().out
-    assert "7 points" not in listing and "2 points" in listing  # two patterns left, one size
-    assert "_inplace_legacy_" in listing and "_inplace_fixed_" in listing and "_n64_" in listing
+    assert "8 points" not in listing and "3 points" in listing  # the dynamic cache's three loops, one size
+    assert "_dynamic_v4.40_" in listing and "_dynamic_v5_" in listing and "_n64_" in listing
 
 
 def test_shipped_sweeps_are_valid():
@@ -105,7 +105,7 @@ def test_shipped_sweeps_are_valid():
 @pytest.mark.slow
 def test_resume_after_kill_gives_one_row_per_point(tmp_path):
     out = tmp_path / "resume"
-    command = sweep_command(out, ("cache", "legacy,inplace"), ("new", "4,5"))
+    command = sweep_command(out, ("cache", "tuple,dynamic"), ("new", "4,5"))
     results = out / "results.csv"
     first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                              start_new_session=True)  # its own process group: the kernels die with it
@@ -129,7 +129,7 @@ def test_resume_after_kill_gives_one_row_per_point(tmp_path):
     table = rows_of(results)
     assert len(table) == 4 and table["point_id"].is_unique
     assert (table["status"] == "ok").all()
-    assert sorted(zip(table["cache"], table["new"])) == [("inplace", 4), ("inplace", 5), ("legacy", 4), ("legacy", 5)]
+    assert sorted(zip(table["cache"], table["new"])) == [("dynamic", 4), ("dynamic", 5), ("tuple", 4), ("tuple", 5)]
     assert len(list((out / "notebooks").glob("*.ipynb"))) == 4
 
     third = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -140,7 +140,7 @@ def test_resume_after_kill_gives_one_row_per_point(tmp_path):
 @pytest.mark.slow
 def test_out_of_memory_point_is_a_row_and_the_sweep_goes_on(tmp_path):
     out = tmp_path / "oom"
-    points = [dict(TINY, overrides=TOO_BIG), dict(TINY, cache="legacy", pattern="legacy")]
+    points = [dict(TINY, overrides=TOO_BIG), dict(TINY, cache="tuple", loop="v4.40")]
     table = sweep.run_sweep(points, out, progress=False)
 
     # The schema: fixed columns in a fixed order, sweep provenance first, every parameter, every record field.
@@ -156,7 +156,7 @@ def test_out_of_memory_point_is_a_row_and_the_sweep_goes_on(tmp_path):
     assert (out / failed["notebook"]).exists()  # the executed notebook shows the traceback
     assert measured["overhead_bytes"] > 0 and measured["kv_final_bytes"] > 0
     assert measured["overhead_over_kv"] == pytest.approx(measured["overhead_bytes"] / measured["kv_final_bytes"], abs=1e-3)
-    assert measured["device"] == "cpu" and measured["pattern"] == "legacy"
+    assert measured["device"] == "cpu" and measured["loop"] == "v4.40"
 
     # A rerun retries only the failed point and replaces its row instead of adding one.
     table = sweep.run_sweep(points, out, progress=False, command="rerun")

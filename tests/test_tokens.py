@@ -1,10 +1,11 @@
-"""Every cache design, in both patterns, decodes exactly what transformers' own generate() does."""
+"""Every cache design, under every release's loop, decodes exactly what transformers' own generate() does."""
 
 import pytest
 import torch
 
-from kvlab.caches import CACHES
-from kvlab.decode import PATTERNS, generate
+from kvlab.caches import CACHES, ListLayer, PreallocLayer, make_cache
+from kvlab.compat import cache_argument
+from kvlab.decode import LOOPS, generate
 
 
 def reference(model, prompt, new, **kwargs):
@@ -12,18 +13,26 @@ def reference(model, prompt, new, **kwargs):
                           do_sample=False, **kwargs)
 
 
-@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("cache", CACHES)
-def test_greedy_matches_generate(toy, prompt, cache, pattern):
+def test_greedy_matches_generate(toy, prompt, cache, loop):
     expected = reference(toy, prompt, 40)
-    assert torch.equal(generate(toy, prompt, 40, cache=cache, pattern=pattern).tokens, expected)
+    assert torch.equal(generate(toy, prompt, 40, cache=cache, loop=loop).tokens, expected)
 
 
-@pytest.mark.parametrize("pattern", PATTERNS)
+@pytest.mark.parametrize("loop", LOOPS)
 @pytest.mark.parametrize("cache", CACHES)
-def test_greedy_matches_generate_with_grouped_query_attention(toy_gqa, prompt, cache, pattern):
+def test_greedy_matches_generate_with_grouped_query_attention(toy_gqa, prompt, cache, loop):
     expected = reference(toy_gqa, prompt, 12)
-    assert torch.equal(generate(toy_gqa, prompt, 12, cache=cache, pattern=pattern).tokens, expected)
+    assert torch.equal(generate(toy_gqa, prompt, 12, cache=cache, loop=loop).tokens, expected)
+
+
+@pytest.mark.parametrize("cache", CACHES)
+def test_greedy_matches_generate_in_bfloat16(toy_bf16, prompt, cache):
+    # bf16 logits: v5 never upcasts them in the forward, v4.42 does; the argmax must not change.
+    expected = reference(toy_bf16, prompt, 16)
+    for loop in LOOPS:
+        assert torch.equal(generate(toy_bf16, prompt, 16, cache=cache, loop=loop).tokens, expected), loop
 
 
 def test_list_cache_consolidates_without_changing_tokens(toy, prompt):
@@ -41,12 +50,12 @@ def test_prealloc_grows_in_blocks(toy, prompt):
     assert layer.keys.data_ptr() == layer.key_buffer.data_ptr()  # attention gets a view, not a copy
 
 
-@pytest.mark.parametrize("cache", ["legacy", "inplace", "prealloc", "list"])
+@pytest.mark.parametrize("cache", CACHES)
 def test_best_beam_matches_generate(toy, prompt, cache):
     expected = reference(toy, prompt, 10, num_beams=4, num_return_sequences=1)
-    for pattern in PATTERNS:
-        out = generate(toy, prompt, 10, cache=cache, pattern=pattern, strategy="beam", num_beams=4)
-        assert torch.equal(out.tokens[::4], expected)
+    for loop in LOOPS:
+        out = generate(toy, prompt, 10, cache=cache, loop=loop, strategy="beam", num_beams=4)
+        assert torch.equal(out.tokens[::4], expected), loop
 
 
 @pytest.mark.parametrize("cache", CACHES)
@@ -59,7 +68,33 @@ def test_restart_from_a_held_cache_continues_the_same_sequence(toy, prompt, cach
 
 def test_seeded_sampling_is_reproducible_and_cache_independent(toy, prompt):
     runs = [generate(toy, prompt, 16, cache=cache, strategy="sample", temperature=0.8, top_k=20, top_p=0.9,
-                     seed=7).tokens for cache in ("legacy", "inplace", "prealloc")]
+                     seed=7).tokens for cache in ("tuple", "dynamic", "prealloc")]
     assert all(torch.equal(run, runs[0]) for run in runs)
     other_seed = generate(toy, prompt, 16, strategy="sample", temperature=0.8, top_k=20, seed=8).tokens
     assert not torch.equal(other_seed, runs[0])
+
+
+@pytest.mark.parametrize("cache", ["list", "prealloc"])
+def test_our_layers_are_accepted_by_transformers_own_generate(toy, prompt, cache):
+    expected = reference(toy, prompt, 12)
+    cache_object = {cache_argument(toy): make_cache(cache, toy)}  # the keyword this transformers uses
+    assert torch.equal(reference(toy, prompt, 12, **cache_object), expected)
+
+
+@pytest.mark.parametrize("layer", [ListLayer(), PreallocLayer()], ids=["list", "prealloc"])
+def test_a_layer_method_a_design_cannot_honour_raises(layer):
+    keys = torch.zeros(2, 1, 3, 4)
+    layer.update(keys, keys)
+    for call in (layer.offload, layer.prefetch, lambda: layer.batch_repeat_interleave(2),
+                 lambda: layer.batch_select_indices(torch.tensor([0]))):
+        with pytest.raises(NotImplementedError, match="does not support"):
+            call()
+    layer.crop(-1)  # what they can do, they do on their own storage
+    assert layer.get_seq_length() == 2 and layer.get_mask_sizes(1) == (3, 0)
+
+
+def test_old_names_are_refused_with_the_new_ones(toy, prompt):
+    with pytest.raises(ValueError, match="'inplace' is now called 'dynamic'"):
+        generate(toy, prompt, 2, cache="inplace")
+    with pytest.raises(ValueError, match="'legacy' is now the loop 'v4.40'"):
+        generate(toy, prompt, 2, loop="legacy")
