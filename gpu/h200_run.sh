@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # One prepared device call on the lent H200 (one call of at most ~8 minutes, see shared/DESIGN.md §2, §5):
 #
-#   (a) ±3 % check: transformers 4.40.1's own generate() vs kvlab's legacy emulation (legacy cache, legacy
-#       pattern) on llama2-7b and mistral-7b, bf16, batch 8, prompt 300, 500 new tokens;
-#   (b) inplace, prealloc, static, list and transformers' own generate() (its default DynamicCache) on
+#   (a) ±3 % check: transformers 4.40.1's own generate() vs kvlab's v4.40 loop with the tuple cache
+#       on llama2-7b and mistral-7b, bf16, batch 8, prompt 300, 500 new tokens;
+#   (b) dynamic, prealloc, static, list and transformers' own generate() (its default DynamicCache) on
 #       those two points;
 #   (c) a budget-sized subset of the shipped sweep kvlab/sweeps/pr-batch.yaml, through `python -m kvlab.sweep`
 #       (papermill, one fresh kernel per point; the executed notebooks come back in sweep.tar.gz);
-#   (d) prealloc vs inplace tokens/s side by side, alone on the GPU, at the longest generation the time
+#   (d) prealloc vs dynamic tokens/s side by side, alone on the GPU, at the longest generation the time
 #       left affords;
 #   (e) one full point with the live-storage meter (track_storages=True) next to the CUDA allocator.
 #
@@ -34,16 +34,16 @@
 #     GPU. The allocator counters are per process, so memory numbers do not disturb each other; speed does
 #     (tokens/s of phase 1 is indicative only). GPU memory: ≈ 19 + 19 + 17 + 15 + 26 GiB ≈ 96 GiB of 139.
 #     ref      4.40.1 llama2 (≈ 12 s start + 45 s), 4.40.1 mistral (≈ 57 s)                       ≈ 115 s
-#     emu      legacy emulation llama2, mistral (2 × ≈ 50 s); (e) llama2 legacy with track_storages,
+#     emu      v4.40 tuple emulation llama2, mistral (2 × ≈ 50 s); (e) llama2 tuple/v4.40 with track_storages,
 #              live-storage counting in Python at every aten op: ≈ 2 × slower (≈ 90 s)            ≈ 200 s
-#     llama2   hf generate(), inplace, prealloc, static, list: 15 s build + 5 × ≈ 47 s          ≈ 250 s
+#     llama2   hf generate(), dynamic, prealloc, static, list: 15 s build + 5 × ≈ 47 s          ≈ 250 s
 #     mistral  the same five                                                                    ≈ 250 s
 #     sweep    `python -m kvlab.sweep` on pr-batch.yaml with --grid preset=llama2-7b batch=24 new=200: 5 designs, each
 #              ≈ 18 s (fresh kernel, import, 7B build) + 200 × 0.09 s; 24 × 500 cached tokens = the
 #              cache of pr-batch's batch 5 × 2300 tokens, reached in a tenth of the steps        ≈ 190 s
 #   phase 2 (d) alone, until BUDGET_S - 20 s: llama2-7b, batch 128, prompt 300, N new tokens, N from the
 #     time left and the step time phase 1 saw (≈ 120 s, ≈ 0.1-0.15 s per step → N ≈ 300-450; ≤ 1200 so that
-#     128 × 1500 tokens × 0.5 MiB ≈ 94 GiB of cache fits). The inplace cache copies the whole cache every
+#     128 × 1500 tokens × 0.5 MiB ≈ 94 GiB of cache fits). The dynamic cache copies the whole cache every
 #     step (128 × 750 tokens ≈ 47 GiB at the end: ≈ 20 ms of copying per step at 4.8 TB/s), prealloc writes
 #     one token; the batch is large so that the copies are not hidden behind the ≈ 80 ms of kernel launches
 #     of an eager step. 2 × N steps ≈ 2 × 45 s.
@@ -266,14 +266,14 @@ def plan():
         lanes["ref"].append(worker_job(f"a-ref-4.40.1-{model}", "a", model, [dict(kind="reference", label=model)],
                                        "ref"))
         lanes["emu"].append(worker_job(f"a-emu-legacy-{model}", "a", model,
-                                       [dict(kind="kvlab", cache="legacy", pattern="legacy", label=model)], "emu"))
+                                       [dict(kind="kvlab", cache="tuple", loop="v4.40", label=model)], "emu"))
     lanes["emu"].append(worker_job("e-storages-llama2-7b", "e", "llama2-7b",
-                                   [dict(kind="kvlab", cache="legacy", pattern="legacy", track_storages=True,
+                                   [dict(kind="kvlab", cache="tuple", loop="v4.40", track_storages=True,
                                          label="llama2-7b")], "emu"))
     for model, lane in (("llama2-7b", "llama2"), ("mistral-7b", "mistral")):
         points = [dict(kind="hf_generate", label=model)] + [
-            dict(kind="kvlab", cache=cache, pattern="fixed", label=model)
-            for cache in ("inplace", "prealloc", "static", "list")]
+            dict(kind="kvlab", cache=cache, loop="v5", label=model)
+            for cache in ("dynamic", "prealloc", "static", "list")]
         lanes[lane].append(worker_job(f"b-designs-{model}", "b", model, points, lane))
     sweep_est = SWEEP_POINTS * (START_S + 5 + 200 * STEP_S) if not DRY else 30.0
     lanes["sweep"].append(dict(name="c-sweep", step="c", lane="sweep", est=sweep_est,
@@ -362,7 +362,7 @@ def short(r):
     if r.get("status") != "ok":
         return f"{r.get('label')} {r.get('cache')} {r.get('status')}: {str(r.get('error'))[:200]}"
     gib = lambda key: f"{r[key] / UNIT:.3f}" if isinstance(r.get(key), (int, float)) else "-"
-    return (f"{r.get('label')} {r.get('cache')}/{r.get('pattern')} b{r.get('batch')} p{r.get('prompt')} "
+    return (f"{r.get('label')} {r.get('cache')}/{r.get('loop')} b{r.get('batch')} p{r.get('prompt')} "
             f"n{r.get('new')}: overhead {gib('overhead_bytes')} {UNIT_NAME} = {r.get('overhead_over_kv')} x KV, "
             f"storages {gib('storages_peak_bytes')} {UNIT_NAME}, {r.get('tokens_per_s')} tok/s")
 
@@ -396,13 +396,13 @@ def run_lanes(lanes, deadline):
 
 
 def speed_job():
-    """(d): prealloc vs inplace, alone, N from the time left and the step time seen in phase 1."""
+    """(d): prealloc vs dynamic, alone, N from the time left and the step time seen in phase 1."""
     left = PHASE2_END - elapsed()
     seen = [r["seconds"] / r["new"] for r in read_records()
-            if r.get("status") == "ok" and r.get("step") == "b" and r.get("cache") in ("inplace", "prealloc")
+            if r.get("status") == "ok" and r.get("step") == "b" and r.get("cache") in ("dynamic", "prealloc")
             and r.get("label") == "llama2-7b" and r.get("seconds")]
     step = max(seen) if seen else STEP_S  # phase 1 shared the GPU: an upper bound for a lone run at batch 8
-    step *= 1.0 if DRY else 1.3  # batch 128 reads and (inplace) copies a much larger cache each step
+    step *= 1.0 if DRY else 1.3  # batch 128 reads and (dynamic) copies a much larger cache each step
     budget = left - START_S - 10 - (2 * SPEED["prompt"] * SPEED["batch"] / 20000 if not DRY else 0)
     new = int(min(SPEED["max_new"], budget / (2 * step)) // 50 * 50) if not DRY else int(
         min(SPEED["max_new"], max(8, budget / (2 * step))))
@@ -410,9 +410,9 @@ def speed_job():
     if new < (8 if DRY else 100):
         return None
     model = dict(preset=SPEED["preset"], overrides=SPEED["overrides"])
-    point = dict(batch=SPEED["batch"], prompt=SPEED["prompt"], new=new, pattern="fixed", label=SPEED["preset"])
-    points = [dict(point, kind="kvlab", cache="inplace", new=4, warmup=True),
-              dict(point, kind="kvlab", cache="prealloc"), dict(point, kind="kvlab", cache="inplace")]
+    point = dict(batch=SPEED["batch"], prompt=SPEED["prompt"], new=new, loop="v5", label=SPEED["preset"])
+    points = [dict(point, kind="kvlab", cache="dynamic", new=4, warmup=True),
+              dict(point, kind="kvlab", cache="prealloc"), dict(point, kind="kvlab", cache="dynamic")]
     spec_check = dict(device=SPEED["device"], dtype=SPEED["dtype"])
     job = dict(name=f"d-speed-b{SPEED['batch']}-n{new}", step="d", lane="speed",
                spec=dict(model=model, check=spec_check, points=points), est=START_S + 2 * (5 + new * step))
@@ -509,7 +509,7 @@ def write_summary():
     find = lambda **kw: [r for r in ok if all(r.get(k) == v for k, v in kw.items())]
     gib = lambda b: f"{b / UNIT:.4f}" if isinstance(b, (int, float)) else "-"
 
-    lines += ["## (a) transformers 4.40.1 vs kvlab's legacy emulation (±3 % check)", "",
+    lines += ["## (a) transformers 4.40.1 vs kvlab's tuple / v4.40 loop (±3 % check)", "",
               "| model | 4.40.1 overhead | emulation overhead | emulation / 4.40.1 − 1 | within ±3 % |",
               "|---|---|---|---|---|"]
     for model in MODELS:
@@ -526,35 +526,35 @@ def write_summary():
                              ("llama2-7b", "static"): 3.343, ("mistral-7b", "legacy-4.40.1"): 1.661,
                              ("mistral-7b", "hf-generate"): 0.795, ("mistral-7b", "static"): 1.048}
     lines += ["", "## (a, b) every design at the check point", "",
-              "| model | cache | pattern | overhead | overhead / KV | predicted | DESIGN §2 | tokens/s (shared GPU) |",
+              "| model | cache | loop | overhead | overhead / KV | predicted | DESIGN §2 | tokens/s (shared GPU) |",
               "|---|---|---|---|---|---|---|---|"]
     for r in sorted(ok, key=lambda r: (str(r.get("label")), str(r.get("step")), str(r.get("cache")))):
         if r.get("step") in ("a", "b"):
-            lines.append(f"| {r.get('label')} | {r.get('cache')} | {r.get('pattern')} | {gib(r.get('overhead_bytes'))} | "
+            lines.append(f"| {r.get('label')} | {r.get('cache')} | {r.get('loop')} | {gib(r.get('overhead_bytes'))} | "
                          f"{r.get('overhead_over_kv', '-')} | {gib(r.get('predicted_overhead_bytes'))} | "
                          f"{design.get((r.get('label'), r.get('cache')), '-')} | {r.get('tokens_per_s', '-')} |")
     lines += ["", "## (c) sweep subset (`python -m kvlab.sweep " + " ".join(SWEEP) + "`)", "",
-              "| cache | pattern | batch | new | status | overhead | overhead / KV |", "|---|---|---|---|---|---|---|"]
+              "| cache | loop | batch | new | status | overhead | overhead / KV |", "|---|---|---|---|---|---|---|"]
     for r in records:
         if r.get("step") == "c":
-            lines.append(f"| {r.get('cache')} | {r.get('pattern')} | {r.get('batch')} | {r.get('new')} | "
+            lines.append(f"| {r.get('cache')} | {r.get('loop')} | {r.get('batch')} | {r.get('new')} | "
                          f"{r.get('status')} | {gib(r.get('overhead_bytes'))} | {r.get('overhead_over_kv', '-')} |")
-    lines += ["", "## (d) prealloc vs inplace, alone on the device", "",
+    lines += ["", "## (d) prealloc vs dynamic, alone on the device", "",
               "| cache | batch | prompt | new | tokens/s | seconds | overhead |", "|---|---|---|---|---|---|---|"]
     speed = [r for r in find(step="d") if not r.get("warmup")]
     for r in speed:
         lines.append(f"| {r['cache']} | {r['batch']} | {r['prompt']} | {r['new']} | {r['tokens_per_s']} | "
                      f"{r['seconds']} | {gib(r['overhead_bytes'])} |")
     by_cache = {r["cache"]: r for r in speed}
-    if {"prealloc", "inplace"} <= set(by_cache):
-        lines.append(f"\nprealloc / inplace tokens/s = "
-                     f"{by_cache['prealloc']['tokens_per_s'] / by_cache['inplace']['tokens_per_s']:.3f}")
+    if {"prealloc", "dynamic"} <= set(by_cache):
+        lines.append(f"\nprealloc / dynamic tokens/s = "
+                     f"{by_cache['prealloc']['tokens_per_s'] / by_cache['dynamic']['tokens_per_s']:.3f}")
     lines += ["", "## (e) live-storage meter vs the allocator", "",
               "| point | allocator overhead | storages peak | storages / allocator | kv at peak | logits at peak |",
               "|---|---|---|---|---|---|"]
     for r in find(step="e"):
         ratio = (r["storages_peak_bytes"] / r["overhead_bytes"]) if r.get("storages_peak_bytes") else None
-        lines.append(f"| {r['label']} {r['cache']}/{r['pattern']} | {gib(r['overhead_bytes'])} | "
+        lines.append(f"| {r['label']} {r['cache']}/{r['loop']} | {gib(r['overhead_bytes'])} | "
                      f"{gib(r.get('storages_peak_bytes'))} | {f'{ratio:.4f}' if ratio else '-'} | "
                      f"{gib(r.get('kv_at_peak_bytes'))} | {gib(r.get('logits_at_peak_bytes'))} |")
     failed = [r for r in records if r.get("status") not in ("ok", None)]
@@ -593,7 +593,7 @@ def worker(spec):
                                                  params["new"], params["device"], params["dtype"],
                                                  target=Path(os.environ["KVRUN_LEGACY_TARGET"]))
                 record.update(_kv_fields(model_spec, params, record["overhead_bytes"]), cache="legacy-4.40.1",
-                              pattern="generate", preset=model_spec["preset"], overrides=model_spec["overrides"])
+                              loop="generate", preset=model_spec["preset"], overrides=model_spec["overrides"])
             else:
                 from kvlab.models import build_model
                 if model is None:
@@ -648,7 +648,7 @@ def hf_generate(model, model_spec, params):
         del out
     report = meter.report()
     return dict(preset=model_spec["preset"], overrides=model_spec["overrides"], cache="hf-generate",
-                pattern="generate", cache_class=cache_class, strategy="greedy", batch=params["batch"],
+                loop="generate", cache_class=cache_class, strategy="greedy", batch=params["batch"],
                 prompt=params["prompt"], new=params["new"], device=device, dtype=params["dtype"], meter=report.method,
                 baseline_bytes=report.baseline_bytes, peak_bytes=report.peak_bytes,
                 overhead_bytes=report.overhead_bytes, reserved_peak_bytes=report.reserved_peak_bytes,

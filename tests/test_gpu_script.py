@@ -75,7 +75,7 @@ def test_dry_run_writes_the_expected_files(tmp_path):
     out = tmp_path / "out"
     env = dict(os.environ, OUT=str(out), DRY_RUN="1", PYTHON=sys.executable, BUDGET_S="240",
                ONLY="a-emu-legacy-llama2-7b,c-sweep,d", SPEED_MAX_NEW="8", TMPDIR=str(tmp_path),
-               SWEEP_ARGS="--grid preset=toy --grid cache=inplace --grid device=cpu --grid dtype=float32 "
+               SWEEP_ARGS="--grid preset=toy --grid cache=dynamic --grid device=cpu --grid dtype=float32 "
                           "--grid batch=1 --grid prompt=4 --grid new=2")
     result = subprocess.run(["bash", str(SCRIPT)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
@@ -88,12 +88,12 @@ def test_dry_run_writes_the_expected_files(tmp_path):
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert all(r["status"] == "ok" for r in records), records
     steps = {(r["step"], r["cache"]) for r in records if not r.get("warmup")}
-    assert ("a", "legacy") in steps and ("c", "inplace") in steps
-    assert {("d", "inplace"), ("d", "prealloc")} <= steps
+    assert ("a", "tuple") in steps and ("c", "dynamic") in steps
+    assert {("d", "dynamic"), ("d", "prealloc")} <= steps
     assert all(r["transformers_version"] for r in records if r["step"] != "c")
 
     summary = (out / "summary.md").read_text()
-    assert "## (d) prealloc vs inplace" in summary and "prealloc / inplace tokens/s" in summary
+    assert "## (d) prealloc vs dynamic" in summary and "prealloc / dynamic tokens/s" in summary
     log = (out / "run.log").read_text()
     assert "SKIPPED a-ref-4.40.1-llama2-7b" not in log  # ONLY leaves it out of the plan, not skipped for time
     assert "finished in" in log

@@ -15,7 +15,7 @@ from kvlab.experiment import DESIGNS, measure, run_point
 from kvlab.memory import MemoryMeter
 from kvlab.models import build_model
 
-CACHE_DOMINATED = dict(batch=8, prompt=64, new=512, timing=False)
+CACHE_DOMINATED = dict(batch=8, prompt=64, new=256, timing=False)
 GREEDY_TOLERANCE = 0.001  # the README's claim for greedy points: theory within 0.1 %
 BEAM_TOLERANCE = 0.02  # ... and within 2 % with beam search
 
@@ -59,10 +59,11 @@ def test_the_two_fixes_have_separate_shares_at_step_two():
             step2[cache, loop] = report.timeline[1].peak_bytes
     logits = 2 * 256 * 32000 * 4  # the prompt's fp32 logits, kept by v4.40
     layer_t = 2 * 4 * 64 * 4  # one layer's keys for one token: batch x heads x dim x fp32
-    assert step2["tuple", "v4.40"] - step2["tuple", "v4.42"] == logits
-    assert step2["dynamic", "v4.40"] - step2["dynamic", "v4.42"] == logits
-    # The tuple keeps the old cache (257 tokens x 4 layers x K,V) where dynamic keeps one layer's old values.
-    assert step2["tuple", "v4.42"] - step2["dynamic", "v4.42"] == (2 * 4 - 1) * layer_t * 257
+    # v4.42 holds its own clone of the last position's logits instead (batch x vocab x 4: 0.4 % of these).
+    assert step2["tuple", "v4.40"] - step2["tuple", "v4.42"] == pytest.approx(logits, rel=0.005)
+    assert step2["dynamic", "v4.40"] - step2["dynamic", "v4.42"] == pytest.approx(logits, rel=0.005)
+    # The tuple keeps the whole old cache (256 tokens x 4 layers x K,V) where dynamic keeps one layer's old values.
+    assert step2["tuple", "v4.42"] - step2["dynamic", "v4.42"] >= (2 * 4 - 1) * layer_t * 256
 
 
 def test_v5_computes_no_prompt_logits_where_v4_42_upcasts_them_all():
@@ -71,7 +72,11 @@ def test_v5_computes_no_prompt_logits_where_v4_42_upcasts_them_all():
                  timing=False)
     v442 = run_point(cache="dynamic", loop="v4.42", **point)
     v5 = run_point(cache="dynamic", loop="v5", **point)
-    assert v442["overhead_bytes"] - v5["overhead_bytes"] >= 2 * 256 * 32000 * (2 + 4) * 0.99
+    prompt_logits = 2 * 256 * 32000 * (2 + 4)  # bf16 and their fp32 copy
+    assert v442["overhead_bytes"] >= prompt_logits
+    assert v5["overhead_bytes"] < prompt_logits / 10  # not even the bf16 logits of the prompt
+    for record in (v442, v5):
+        assert abs(record["prediction_error"]) <= GREEDY_TOLERANCE
 
 
 def test_beam_search_tuple_v4_40_is_about_three_caches(toy):
@@ -89,31 +94,35 @@ def test_beam_search_of_every_design_is_predicted(toy, cache):
     assert abs(record["prediction_error"]) <= BEAM_TOLERANCE, record["prediction_error"]
 
 
-def _reorder_transient(reorder, pairs):
+def _reorder_transient(make, reorder):
+    """Peak bytes above what was live when `reorder` started, for a cache built by `make` under the meter."""
     beam_idx = torch.tensor([1, 0, 3, 2])
     with MemoryMeter("cpu") as meter:
+        cache = make()
         live = meter.live_bytes()
-        reorder(pairs, beam_idx)
+        meter.counter.peak_bytes = live  # the peak from here on
+        reorder(cache, beam_idx)
     return meter.report().peak_bytes - live
 
 
 def test_tuple_reorder_layer_by_layer_needs_one_tensor_not_the_cache():
     layers, shape = 6, (4, 2, 100, 8)
     one_tensor = 4 * 2 * 100 * 8 * 4
-    pairs = [(torch.randn(shape), torch.randn(shape)) for _ in range(layers)]
-    assert _reorder_transient(_reorder_layers_in_place, pairs) == one_tensor
-    held = tuple((torch.randn(shape), torch.randn(shape)) for _ in range(layers))
+    pairs = lambda: [(torch.randn(shape), torch.randn(shape)) for _ in range(layers)]  # noqa: E731
+    assert _reorder_transient(pairs, _reorder_layers_in_place) == one_tensor
     # v4.40: a new tuple is built while the old one is still held: the whole cache again.
-    assert _reorder_transient(_reorder_tuple_copy, held) == 2 * layers * one_tensor
+    assert _reorder_transient(lambda: tuple(pairs()), _reorder_tuple_copy) == 2 * layers * one_tensor
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "list", "prealloc", "static"])
 def test_cache_reorder_needs_at_most_one_tensor(toy, cache):
-    kv = make_cache(cache, toy, max_cache_len=40)
-    with torch.inference_mode():
-        toy(input_ids=torch.randint(0, 1000, (4, 30)), use_cache=True, **{cache_argument(toy): kv})
-    largest = max(t.untyped_storage().nbytes() for t in cache_tensors(kv))
-    transient = _reorder_transient(lambda cache_object, idx: cache_object.reorder_cache(idx), kv)
+    def make():
+        kv = make_cache(cache, toy, max_cache_len=40)
+        with torch.inference_mode():
+            toy(input_ids=torch.randint(0, 1000, (4, 30)), use_cache=True, **{cache_argument(toy): kv})
+        return kv
+    largest = max(t.untyped_storage().nbytes() for t in cache_tensors(make()))
+    transient = _reorder_transient(make, lambda kv, beam_idx: kv.reorder_cache(beam_idx))
     assert 0 < transient <= largest
 
 
@@ -127,7 +136,7 @@ def test_restart_from_a_held_cache_costs_two_to_three_times(toy):
 
 
 def test_improvement_factors_bracket_the_measured_ratio(cache_dominated, toy):
-    minimal, maximal = theory.improvement_factors(toy.config, batch=8, prompt=64, new=512, dtype="float32")
+    minimal, maximal = theory.improvement_factors(toy.config, batch=8, prompt=64, new=256, dtype="float32")
     measured = (cache_dominated["tuple", "v4.40"]["overhead_bytes"]
                 / cache_dominated["dynamic", "v4.42"]["overhead_bytes"])
     assert 1 <= minimal <= measured <= maximal * 1.001 <= 2.001
