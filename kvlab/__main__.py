@@ -1,6 +1,7 @@
 """Command line: `python -m kvlab {measure,compare,predict,sweep}`.
 
-Bad input exits with status 2 and one line naming the valid choices, before any model is built.
+Bad input exits with status 2 and one line naming the valid choices, before any model is built; so does a
+point whose predicted peak exceeds the free memory of its device (unless --force).
 """
 
 from __future__ import annotations
@@ -11,12 +12,13 @@ import sys
 
 from .caches import CACHES
 from .decode import LOOPS, STRATEGIES
-from .experiment import DEFAULTS
+from .experiment import DEFAULTS, DESIGNS
 from .models import PRESETS
 
 
 def _point_arguments(parser: argparse.ArgumentParser, defaults: dict = DEFAULTS) -> None:
-    parser.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)}, or a hub id (default: {defaults['preset']})")
+    parser.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)}, a config.json path (or its "
+                        f"folder), or a hub id (default: {defaults['preset']})")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, repeatable (e.g. num_hidden_layers=2)")
     parser.add_argument("--cache", default=None, help=f"one of {', '.join(CACHES)}")
@@ -30,8 +32,8 @@ def _point_arguments(parser: argparse.ArgumentParser, defaults: dict = DEFAULTS)
 
 def _point_params(args) -> dict:
     keys = ("preset", "cache", "loop", "strategy", "batch", "prompt", "new", "restart_new", "num_beams",
-            "chunk_limit", "block_tokens", "seed", "device", "dtype")
-    params = {key: getattr(args, key) for key in keys if getattr(args, key) is not None}
+            "chunk_limit", "block_tokens", "seed", "device", "dtype", "timing", "force")
+    params = {key: getattr(args, key, None) for key in keys if getattr(args, key, None) is not None}
     if args.override:
         params["overrides"] = args.override
     return params
@@ -50,12 +52,16 @@ def cmd_measure(args) -> None:
 
 
 def cmd_predict(args) -> None:
-    from . import theory
     from .experiment import normalize
-    from .models import build_config
+    from .predict import format_prediction, parse_bytes, predict
+    memory = parse_bytes(args.memory) if args.memory else None
     p = normalize(**_point_params(args))
-    config = build_config(p["preset"], p["overrides"])
-    print(json.dumps(theory.explain(config, **{k: p[k] for k in theory.POINT_KEYS}), indent=2))
+    # Every design, those of one cache or loop, or exactly the (cache, loop) asked for.
+    designs = [(cache, loop) for cache, loop in DESIGNS if args.cache in (None, cache) and args.loop in (None, loop)]
+    if not designs or (args.cache and args.loop):
+        designs = [(p["cache"], p["loop"])]
+    result = predict(p, designs, memory)
+    print(json.dumps(result, indent=2) if args.json else format_prediction(result))
 
 
 def cmd_compare(args) -> None:
@@ -76,10 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
     measure = sub.add_parser("measure", help="measure one point and print its record")
     _point_arguments(measure)
     measure.add_argument("--json", action="store_true", help="print the record as one JSON line")
+    measure.add_argument("--no-timing", dest="timing", action="store_false", default=None,
+                         help="skip the second, unmetered run that measures tokens/s")
+    measure.add_argument("--force", action="store_true", default=None,
+                         help="run even if the predicted peak exceeds the free memory of the device")
     measure.set_defaults(func=cmd_measure)
 
-    predict = sub.add_parser("predict", help="the analytic peak of a point, term by term")
+    predict = sub.add_parser("predict", help="the predicted peak (weights + overhead) of every design, before running")
     _point_arguments(predict)
+    predict.add_argument("--memory", default=None, metavar="SIZE",
+                         help="say whether each design fits in this much memory (e.g. 24GiB, 80GB, 512MiB, bytes)")
+    predict.add_argument("--json", action="store_true", help="print the prediction, term by term, as JSON")
     predict.set_defaults(func=cmd_predict)
 
     compare = sub.add_parser("compare", help="the tuple cache of <= 4.41 vs every later design, on the default device")

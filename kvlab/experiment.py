@@ -9,6 +9,7 @@ from __future__ import annotations
 import datetime
 import functools
 import gc
+import os
 import platform
 import subprocess
 from pathlib import Path
@@ -20,7 +21,7 @@ from . import __version__, theory
 from .caches import check_cache_name
 from .decode import LOOPS, STRATEGIES, check_choice, generate
 from .memory import MemoryMeter
-from .models import build_config, check_device, is_hub_id, kv_bytes_per_token, parse_dtype, parse_overrides, resolve_device
+from .models import check_device, kv_bytes_per_token, load_config, parse_dtype, parse_overrides, resolve_device
 
 # (cache, loop): the <= 4.41 baseline, each of the PR's two fixes alone (v4.42's loop on tuples, v4.40's
 # loop on one cache object), the PR as released, then today's loop with every design.
@@ -29,7 +30,7 @@ DESIGNS = [("tuple", "v4.40"), ("tuple", "v4.42"), ("dynamic", "v4.40"), ("dynam
 
 DEFAULTS = dict(preset="toy", overrides="", cache="dynamic", loop="v5", strategy="greedy", batch=8,
                 prompt=64, new=512, restart_new=0, num_beams=4, device="auto", dtype="float32", seed=0,
-                chunk_limit=50, block_tokens=32, track_storages="auto", timing=True)
+                chunk_limit=50, block_tokens=32, track_storages="auto", timing=True, force=False)
 
 
 @functools.lru_cache(maxsize=1)
@@ -87,13 +88,14 @@ def normalize(**params) -> dict:
     parse_dtype(p["dtype"])
     if isinstance(p["overrides"], (list, tuple, dict)):
         p["overrides"] = ",".join(f"{k}={v}" for k, v in parse_overrides(p["overrides"]).items())
-    if not is_hub_id(p["preset"]):
-        build_config(p["preset"], p["overrides"])  # raises on a bad preset or key
+    load_config(p["preset"], p["overrides"])  # raises on a bad preset, key or size, or a hub id not to be had
     if p["track_storages"] == "auto":
         p["track_storages"] = torch.device(p["device"]).type != "cuda"
     p["track_storages"] = p["track_storages"] in (True, "true", "True", "1", 1)
     # Timing needs real kernels: the meta device has none.
     p["timing"] = p["timing"] in (True, "true", "True", "1", 1) and torch.device(p["device"]).type != "meta"
+    # Skip the check that refuses a point predicted not to fit in the free memory of its device.
+    p["force"] = p["force"] in (True, "true", "True", "1", 1)
     return p
 
 
@@ -105,6 +107,11 @@ def run_point(model=None, **params) -> dict:
 def measure(model=None, **params):
     """Measure one point: (flat record, the meter's full report with timeline and split)."""
     p = normalize(**params)
+    # Refuse a point predicted not to fit, before allocating anything. A sweep checks each point before
+    # starting its kernel and sets KVLAB_FORCE=1 there, since the point notebook does not pass `force`.
+    if not p["force"] and os.environ.get("KVLAB_FORCE") != "1":
+        from .predict import check_fits
+        check_fits(p, model)
     from .models import build_model
     if model is None:
         model = build_model(p["preset"], p["overrides"], p["device"], p["dtype"], p["seed"])

@@ -7,8 +7,12 @@ real weights instead, for Colab users with network access.
 
 from __future__ import annotations
 
+import socket
+from pathlib import Path
+from urllib.parse import urlparse
+
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
 # Values copied from each model's public config.json on the Hugging Face hub.
 PRESETS: dict[str, tuple[type, dict]] = {
@@ -118,33 +122,126 @@ def parse_overrides(items) -> dict:
     return overrides
 
 
-def build_config(preset: str, overrides=None):
-    """The preset's config with overrides applied; raises before anything is allocated."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)} (or a hub id like Qwen/Qwen2.5-0.5B)")
-    config_class, values = PRESETS[preset]
-    config = config_class(**values)
+# Sizes that must be positive integers; head_dim and num_key_value_heads may be None (derived from the others).
+SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+             "vocab_size", "head_dim", "max_position_embeddings")
+
+
+# Config values derived from others at construction (a loaded config.json spells them out).
+DERIVED = {"head_dim": ("hidden_size", "num_attention_heads"), "layer_types": ("num_hidden_layers",)}
+
+
+def check_sizes(values: dict) -> None:
+    """Refuse sizes no model can have, before the config (let alone the model) is built."""
+    for key in SIZE_KEYS:
+        value = values.get(key)
+        if key not in values or (value is None and key in ("head_dim", "num_key_value_heads")):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{key} must be a positive integer, got {value!r}")
+    heads = values.get("num_attention_heads")
+    kv_heads = values.get("num_key_value_heads") or heads
+    if heads and heads % kv_heads:
+        divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
+        raise ValueError(f"num_key_value_heads={kv_heads} must divide num_attention_heads={heads}; "
+                         f"choose one of: {divisors}")
+    hidden = values.get("hidden_size")
+    if heads and hidden and not values.get("head_dim") and hidden % heads:
+        raise ValueError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads} and head_dim is not "
+                         f"set; choose a multiple of {heads} or set head_dim")
+
+
+def _finish_config(config_class: type, values: dict, overrides, name: str):
+    """`config_class(**values)` with overrides checked and applied. Built from the merged values, so that
+    derived sizes (head_dim = hidden_size / heads) follow an overridden hidden_size or head count."""
     overrides = parse_overrides(overrides)
-    known = set(config.to_dict())
-    for key, value in overrides.items():
+    known = set(config_class(**values).to_dict())
+    for key in overrides:
         if key not in known:
-            raise ValueError(f"override key {key!r} is not in the {preset} config; valid keys: {', '.join(sorted(known))}")
-        setattr(config, key, value)
+            raise ValueError(f"override key {key!r} is not in the {name} config; valid keys: {', '.join(sorted(known))}")
+    merged = {**values, **overrides}
+    for derived, sources in DERIVED.items():  # re-derived from the new sizes unless overridden too
+        if derived not in overrides and any(key in overrides for key in sources):
+            merged.pop(derived, None)
+    check_sizes(merged)
+    try:
+        config = config_class(**merged)
+    except Exception as error:  # transformers' own validators (strict dataclasses): one line, not a traceback
+        reason = " ".join(line.strip() for line in str(error).splitlines())
+        raise ValueError(f"the {name} config refuses the overrides {overrides}: {reason}") from None
     # The KV cache only exists if the model uses it; decoding must never stop early, so no EOS.
     config.use_cache = True
     config.eos_token_id = None
     return config
 
 
+def build_config(preset: str, overrides=None):
+    """The preset's config with overrides applied; raises before anything is allocated."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)} (or a hub id like Qwen/Qwen2.5-0.5B)")
+    config_class, values = PRESETS[preset]
+    return _finish_config(config_class, values, overrides, preset)
+
+
+def hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the Hugging Face hub answers at all: without network, transformers retries for ~25 s."""
+    from huggingface_hub import constants
+    if constants.HF_HUB_OFFLINE:
+        return False
+    try:
+        socket.create_connection((urlparse(constants.ENDPOINT).hostname, 443), timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
+def hub_error(name: str, online: bool) -> ValueError:
+    where = ("the hub has no such model either" if online else
+             "configs and weights cannot be downloaded here (no network to the Hugging Face hub)")
+    return ValueError(f"{name!r} is not in the local Hugging Face cache and {where}; choose a preset, one of: "
+                      f"{', '.join(PRESETS)}, or a local config.json path")
+
+
+def load_config(source: str, overrides=None):
+    """A config from a preset name, a local config.json (or the folder holding one), or a hub id (local
+    cache first, the hub if it can be reached); overrides checked and applied."""
+    if source in PRESETS:
+        return build_config(source, overrides)
+    if Path(source).exists():
+        try:
+            config = AutoConfig.from_pretrained(source)
+        except (OSError, ValueError) as error:
+            raise ValueError(f"{source}: no transformers config.json there ({str(error).splitlines()[0]})") from None
+    elif is_hub_id(source):
+        try:
+            config = AutoConfig.from_pretrained(source, local_files_only=True)
+        except OSError:
+            online = hub_reachable()
+            if not online:
+                raise hub_error(source, online) from None
+            try:
+                config = AutoConfig.from_pretrained(source)
+            except OSError:
+                raise hub_error(source, online) from None
+    else:
+        return build_config(source, overrides)  # names the presets
+    return _finish_config(type(config), config.to_dict(), overrides, source)
+
+
 def build_model(preset: str = "toy", overrides=None, device: str = "cpu", dtype: str = "float32", seed: int = 0):
-    """A causal LM in eval mode: random weights (seeded) from a preset, or real weights from a hub id."""
+    """A causal LM in eval mode: random weights (seeded) from a preset or a local config.json, or real
+    weights from a hub id."""
     check_device(device)
     torch_dtype = parse_dtype(dtype)
-    if is_hub_id(preset):
-        model = AutoModelForCausalLM.from_pretrained(preset, dtype=torch_dtype).to(device)
+    if is_hub_id(preset) and not Path(preset).exists():
+        online = hub_reachable()
+        try:
+            model = AutoModelForCausalLM.from_pretrained(preset, dtype=torch_dtype, local_files_only=not online)
+        except OSError:
+            raise hub_error(preset, online) from None
         model.generation_config.eos_token_id = None
-        return model.eval()
-    config = build_config(preset, overrides)
+        return model.to(device).eval()
+    config = load_config(preset, overrides)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     with torch.device(device):

@@ -8,7 +8,9 @@ Each point executes `notebooks/03_experiment_point.ipynb` in a new kernel, so on
 crash) never leaks into the next. The executed notebook is kept under OUT/notebooks/, and one row per
 point is appended to OUT/results.csv as soon as the point ends. Rerunning the same command skips the
 points already measured (status "ok"), so a killed sweep resumes where it stopped; a point that ran
-out of memory or failed becomes a row with its status and error, and the sweep goes on.
+out of memory or failed becomes a row with its status and error, and the sweep goes on. A point whose
+predicted peak exceeds the free memory of its device is not run at all: its row has status "too-big"
+(retried on a rerun, like every failure); `force=true` (or --force) runs it anyway.
 
 A sweep file (YAML) has `fixed:` parameters shared by every point and `grid:` lists whose product
 gives the points. A grid entry whose values are mappings sets several parameters together, e.g.
@@ -34,6 +36,7 @@ import yaml
 
 from .experiment import DEFAULTS, normalize
 from .models import parse_value
+from .predict import TooBig, check_fits
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 SWEEPS_DIR = PACKAGE_DIR / "sweeps"
@@ -49,7 +52,7 @@ RECORD_COLUMNS = [
     "transformers_version", "kvlab_version", "python_version", "git_commit", "measured_at",
 ]
 COLUMNS = SWEEP_COLUMNS + PARAMETER_COLUMNS + RECORD_COLUMNS
-STATUSES = ("ok", "oom", "failed")
+STATUSES = ("ok", "oom", "too-big", "failed")
 # The kernel's own log lines (unencrypted TCP, shutdown) would break the progress bar; errors reach the row.
 QUIET_KERNEL = ["--IPKernelApp.log_level=CRITICAL"]
 OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
@@ -123,7 +126,8 @@ def validate(points: list[dict]) -> list[dict]:
 
 def point_id(params: dict) -> str:
     """A stable id from the normalized parameters: the same point gets the same id in every rerun."""
-    canonical = json.dumps({key: params[key] for key in DEFAULTS}, sort_keys=True, default=str)
+    # `force` changes whether a point runs, not what it measures: a forced rerun replaces a "too-big" row.
+    canonical = json.dumps({key: params[key] for key in DEFAULTS if key != "force"}, sort_keys=True, default=str)
     return hashlib.sha1(canonical.encode()).hexdigest()[:12]
 
 
@@ -228,7 +232,8 @@ def _kernel_environment(points: list[dict]):
     and on CPU use one OpenMP thread unless told otherwise: the small CPU models gain nothing from threads,
     and threads spinning against other processes on a shared machine make each matmul many times slower."""
     root = str(PACKAGE_DIR.parent)
-    changes = {"PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    changes = {"PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""),
+               "KVLAB_FORCE": "1"}  # run_one has checked the fit already (and honoured force)
     if all(point["device"] == "cpu" for point in points) and "OMP_NUM_THREADS" not in os.environ:
         changes["OMP_NUM_THREADS"] = "1"
     before = {key: os.environ.get(key) for key in changes}
@@ -256,10 +261,16 @@ def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = N
                notebook=os.path.relpath(executed, out))
     clock = time.perf_counter()
     try:
-        papermill.execute_notebook(str(notebook), str(executed), parameters=dict(params, record_path=str(record_path)),
+        if not params["force"]:
+            check_fits(params)  # refuse before a kernel starts and allocates
+        parameters = {key: value for key, value in params.items() if key != "force"}  # not a notebook parameter
+        parameters["record_path"] = str(record_path)
+        papermill.execute_notebook(str(notebook), str(executed), parameters=parameters,
                                    kernel_name=kernel_name, progress_bar=False, log_output=False,
                                    cwd=str(PACKAGE_DIR.parent), extra_arguments=QUIET_KERNEL)
         row.update(json.loads(record_path.read_text()), status="ok", error=None)
+    except TooBig as error:  # refused: no notebook was run
+        row.update(status="too-big", error=str(error), notebook=None)
     except Exception as error:  # a failed point is a row, not the end of the sweep
         name = getattr(error, "ename", type(error).__name__)
         message = str(getattr(error, "evalue", error)).strip().splitlines()
@@ -333,6 +344,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--notebook", default=None, help=f"point notebook (default: {POINT_NOTEBOOK.name})")
     parser.add_argument("--kernel", default=None, help="Jupyter kernel name (default: the notebook's)")
     parser.add_argument("--dry-run", action="store_true", help="validate and list the points, run nothing")
+    parser.add_argument("--force", action="store_true", help="run points predicted not to fit in free memory too")
     return parser
 
 
@@ -354,6 +366,9 @@ def main(argv=None) -> None:
                 grid[key] = values
         if not args.file and not args.grid:
             raise ValueError("give --file and/or --grid key=v1,v2,...")
+        if args.force:
+            grid.pop("force", None)
+            fixed["force"] = True
         points = validate(expand(fixed, grid))
         name = Path(args.file).stem if args.file else "sweep"
         out = Path(args.out or Path("results") / name)

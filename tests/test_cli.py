@@ -45,6 +45,13 @@ BAD_INPUTS = [
     (["--override", "num_hidden_layers"], "key=value"),
     (["--dtype", "int3"], "float32"),
     (["--device", "tpu"], "cpu, cuda, meta"),
+    (["--override", "hidden_size=-4"], "hidden_size must be a positive integer, got -4"),
+    (["--override", "num_hidden_layers=0"], "num_hidden_layers must be a positive integer"),
+    (["--override", "vocab_size=0"], "vocab_size must be a positive integer"),
+    (["--override", "num_attention_heads=0"], "num_attention_heads must be a positive integer"),
+    (["--override", "num_key_value_heads=3"], "must divide num_attention_heads=4; choose one of: 1, 2, 4"),
+    (["--override", "hidden_size=250"], "choose a multiple of 4 or set head_dim"),
+    (["--preset", "nobody/no-such-model"], "toy, tinyllama-1.1b"),  # not in the local cache, no network here
 ]
 
 
@@ -82,9 +89,9 @@ def test_compare_refuses_bad_input_before_running():
 
 def test_predict_explains_the_peak():
     result = kvlab("predict", "--preset", "llama2-7b", "--dtype", "bfloat16", "--cache", "tuple",
-                   "--loop", "v4.40", "--batch", "8", "--prompt", "300", "--new", "500", "--device", "meta")
+                   "--loop", "v4.40", "--batch", "8", "--prompt", "300", "--new", "500", "--device", "meta", "--json")
     assert result.returncode == 0, result.stderr
-    explained = json.loads(result.stdout)
+    [explained] = json.loads(result.stdout)["designs"]
     assert explained["kv_final_bytes"] == 3.125 * 2**30
     assert 1.99 <= explained["overhead_over_kv"] <= 2.01
 

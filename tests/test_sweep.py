@@ -19,7 +19,8 @@ from kvlab.experiment import DEFAULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(preset="toy", overrides="num_hidden_layers=1", batch=1, prompt=8, new=4, device="cpu")
-# vocab_size 10**12 asks the allocator for ~1 PB for the embedding: a real out-of-memory, at once.
+# vocab_size 10**12 asks the allocator for ~1 PB for the embedding: a real out-of-memory, at once
+# (with force=True; without it the point is refused before it runs, as predicted not to fit).
 TOO_BIG = "num_hidden_layers=1,vocab_size=1000000000000"
 
 
@@ -140,7 +141,7 @@ def test_resume_after_kill_gives_one_row_per_point(tmp_path):
 @pytest.mark.slow
 def test_out_of_memory_point_is_a_row_and_the_sweep_goes_on(tmp_path):
     out = tmp_path / "oom"
-    points = [dict(TINY, overrides=TOO_BIG), dict(TINY, cache="tuple", loop="v4.40")]
+    points = [dict(TINY, overrides=TOO_BIG, force=True), dict(TINY, cache="tuple", loop="v4.40")]
     table = sweep.run_sweep(points, out, progress=False)
 
     # The schema: fixed columns in a fixed order, sweep provenance first, every parameter, every record field.
@@ -163,8 +164,33 @@ def test_out_of_memory_point_is_a_row_and_the_sweep_goes_on(tmp_path):
     assert list(table["status"]) == ["ok", "oom"] and table["point_id"].is_unique
 
     runs = json.loads((out / "provenance.json").read_text())["runs"]
-    assert [run["ran"] for run in runs] == [{"ok": 1, "oom": 1, "failed": 0}, {"ok": 0, "oom": 1, "failed": 0}]
+    assert [run["ran"] for run in runs] == [{"ok": 1, "oom": 1, "too-big": 0, "failed": 0},
+                                            {"ok": 0, "oom": 1, "too-big": 0, "failed": 0}]
     assert runs[1]["command"] == "rerun" and runs[0]["device"] == "cpu" and runs[0]["git_commit"]
+
+
+def test_a_point_predicted_not_to_fit_is_a_too_big_row_and_rerun(tmp_path, monkeypatch):
+    """Refused before any kernel starts (fast); the row names both numbers and is retried on a rerun."""
+    import papermill
+
+    def no_kernel(*args, **kwargs):
+        raise AssertionError("a refused point started a kernel")
+    monkeypatch.setattr(papermill, "execute_notebook", no_kernel)
+    points = [dict(TINY, overrides=TOO_BIG)]
+    table = sweep.run_sweep(points, tmp_path, progress=False)
+    [row] = table.itertuples()
+    assert row.status == "too-big" and row.overrides == TOO_BIG and not row.force
+    assert row.error.startswith("predicted peak ") and " free on cpu; pass --force" in row.error
+    assert sweep.done_point_ids(tmp_path / "results.csv") == set()  # a failure: retried on a rerun
+    table = sweep.run_sweep(points, tmp_path, progress=False)
+    assert list(table["status"]) == ["too-big"]
+    runs = json.loads((tmp_path / "provenance.json").read_text())["runs"]
+    assert [run["ran"]["too-big"] for run in runs] == [1, 1]
+
+
+def test_force_does_not_change_the_point_id():
+    point = sweep.validate([TINY])[0]
+    assert sweep.point_id(point) == sweep.point_id(dict(point, force=True))
 
 
 def test_failure_status():

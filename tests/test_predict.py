@@ -1,0 +1,136 @@
+"""Predict before you run: the peak of every design from a config alone, and points that cannot fit refused."""
+
+import json
+import re
+
+import pytest
+
+import kvlab.models
+import kvlab.predict
+from kvlab import theory
+from kvlab.__main__ import main
+from kvlab.experiment import DESIGNS, measure, normalize
+from kvlab.models import build_config
+from kvlab.predict import GIB, TooBig, parse_bytes
+
+LLAMA_PR_POINT = ["--preset", "llama2-7b", "--dtype", "bfloat16", "--batch", "8", "--prompt", "300", "--new", "500"]
+TINY = dict(preset="toy", overrides="num_hidden_layers=1", batch=1, prompt=4, new=2, device="cpu", timing=False)
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Building a model (or predicting with a real one) fails the test: prediction works from the config."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was built")
+    monkeypatch.setattr(kvlab.models, "build_model", refuse)
+
+
+def predict_output(capsys, *args):
+    main(["predict", *args])
+    return capsys.readouterr().out
+
+
+def test_predict_a_preset_prints_every_design_and_whether_it_fits(capsys, no_model):
+    out = predict_output(capsys, *LLAMA_PR_POINT, "--memory", "16GiB")
+    for cache, loop in DESIGNS:
+        assert f"{cache}/{loop} " in out
+    assert "weights 12.551 GiB" in out and "fits in 16.000 GiB" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if "/v" in line}
+    assert rows["tuple/v4.40"][5] == "NO"  # 12.55 GiB of weights + 2 x KV (6.25 GiB) > 16 GiB
+    assert rows["dynamic/v5"][5] == "yes"  # + 1.01 x KV (3.17 GiB) fits
+
+
+def test_predict_a_config_json_in_a_folder_or_as_a_file(tmp_path, capsys, no_model):
+    build_config("mistral-7b").to_json_file(tmp_path / "config.json")
+    for source in (tmp_path, tmp_path / "config.json"):
+        out = predict_output(capsys, "--preset", str(source), "--dtype", "bf16", "--memory", "14GB")
+        assert "mistral, 32 layers, hidden 4096, 32 heads / 8 KV heads" in out
+        assert all(f"{cache}/{loop} " in out for cache, loop in DESIGNS)
+        assert "NO" in out and "yes" not in out  # 13.5 GiB of weights do not fit in 14 GB (13.04 GiB)
+
+
+def test_predict_json_for_one_design(capsys, no_model):
+    result = json.loads(predict_output(capsys, *LLAMA_PR_POINT, "--cache", "static", "--loop", "v5", "--json",
+                                       "--memory", "24GiB"))
+    [row] = result["designs"]
+    assert (row["cache"], row["loop"]) == ("static", "v5") and row["fits"] is True
+    assert row["peak_bytes"] == result["weights_bytes"] + row["predicted_overhead_bytes"]
+
+
+def test_prediction_matches_the_h200_measurement_of_transformers_4_40():
+    """DESIGN §2: transformers 4.40.1 on an H200, Llama-2-7B bf16, batch 8, prompt 300, 500 new: 6.248 GiB."""
+    config = build_config("llama2-7b")
+    overhead = theory.predict_overhead(config, cache="tuple", loop="v4.40", batch=8, prompt=300, new=500,
+                                             dtype="bfloat16")
+    assert overhead / GIB == pytest.approx(6.248, rel=0.03)
+
+
+def test_a_model_type_theory_does_not_model_is_refused(tmp_path, capsys):
+    from transformers import GPT2Config
+    GPT2Config().to_json_file(tmp_path / "config.json")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["predict", "--preset", str(tmp_path)])
+    assert exit_info.value.code == 2
+    assert "model_type 'gpt2' is not modelled" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text, expected", [("24GiB", 24 * GIB), ("24 GB", 24 * 10**9), ("512MiB", 512 * 2**20),
+                                            ("1.5GiB", 3 * GIB // 2), ("1000", 1000), ("64 bytes", 64)])
+def test_memory_sizes(text, expected):
+    assert parse_bytes(text) == expected
+
+
+def test_bad_memory_size():
+    with pytest.raises(ValueError, match="GiB, GB, MiB, MB, bytes"):
+        parse_bytes("24 XB")
+
+
+def test_a_hub_id_without_network_or_local_copy(monkeypatch):
+    monkeypatch.setattr(kvlab.models, "hub_reachable", lambda: False)
+    with pytest.raises(ValueError, match="cannot be downloaded here .*toy, tinyllama-1.1b"):
+        kvlab.models.load_config("nobody/no-such-model")
+
+
+# -- refusing points that cannot fit ---------------------------------------------------------------
+def test_a_point_too_big_for_free_memory_is_refused_before_any_model_is_built(monkeypatch, no_model):
+    monkeypatch.setattr(kvlab.predict, "free_bytes", lambda device: 2**20)  # 1 MiB free
+    with pytest.raises(TooBig) as refused:
+        measure(**TINY)
+    message = str(refused.value)
+    assert message.startswith("predicted peak ") and "exceeds the 1.0 MiB free on cpu" in message
+    assert re.search(r"\(weights [0-9.]+ MiB \+ overhead [0-9.]+ MiB\)", message) and "--force" in message
+
+
+def test_the_command_line_refuses_with_one_line(monkeypatch, no_model, capsys):
+    monkeypatch.setattr(kvlab.predict, "free_bytes", lambda device: 2**20)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["measure", "--override", "num_hidden_layers=1", "--batch", "1", "--prompt", "4", "--new", "2"])
+    assert exit_info.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("kvlab measure: error: predicted peak") and "free on cpu" in line
+
+
+def test_force_runs_it_anyway(monkeypatch):
+    monkeypatch.setattr(kvlab.predict, "free_bytes", lambda device: 2**20)
+    record, _ = measure(**TINY, force=True)
+    assert record["overhead_bytes"] > 0
+
+
+def test_a_point_that_fits_runs(monkeypatch):
+    monkeypatch.setattr(kvlab.predict, "free_bytes", lambda device: 2**30)
+    record, _ = measure(**TINY)
+    assert record["overhead_bytes"] > 0
+
+
+def test_with_a_model_given_only_the_overhead_has_to_fit(toy, monkeypatch):
+    point = normalize(**dict(TINY, overrides=""))
+    monkeypatch.setattr(kvlab.predict, "free_bytes", lambda device: 2**20)  # less than the toy's 6 MiB of weights
+    kvlab.predict.check_fits(point, toy)  # but they are already resident, and the overhead fits
+    monkeypatch.setattr(kvlab.predict, "free_bytes", lambda device: 1000)
+    with pytest.raises(TooBig, match=r"weights already loaded \+ overhead"):
+        kvlab.predict.check_fits(point, toy)
+
+
+def test_meta_is_never_refused(no_model):
+    point = normalize(**dict(TINY, device="meta", overrides="vocab_size=1000000000000"))  # 4 TB of weights
+    kvlab.predict.check_fits(point)
