@@ -603,7 +603,9 @@ def worker(spec):
                     record = hf_generate(model, model_spec, params)
                 else:
                     from kvlab.experiment import run_point
-                    record = run_point(model, preset=model_spec["preset"], overrides=model_spec["overrides"], **params)
+                    # force: the lanes share one GPU and plan its memory themselves
+                    record = run_point(model, preset=model_spec["preset"], overrides=model_spec["overrides"],
+                                       force=True, **params)
             record.update(base, status="ok", error=None)
         except Exception as error:
             import torch

@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime
 import functools
 import gc
-import os
 import platform
 import subprocess
 from pathlib import Path
@@ -107,9 +106,8 @@ def run_point(model=None, **params) -> dict:
 def measure(model=None, **params):
     """Measure one point: (flat record, the meter's full report with timeline and split)."""
     p = normalize(**params)
-    # Refuse a point predicted not to fit, before allocating anything. A sweep checks each point before
-    # starting its kernel and sets KVLAB_FORCE=1 there, since the point notebook does not pass `force`.
-    if not p["force"] and os.environ.get("KVLAB_FORCE") != "1":
+    # Refuse a point predicted not to fit, before allocating anything.
+    if not p["force"]:
         from .predict import check_fits
         check_fits(p, model)
     from .models import build_model

@@ -232,8 +232,7 @@ def _kernel_environment(points: list[dict]):
     and on CPU use one OpenMP thread unless told otherwise: the small CPU models gain nothing from threads,
     and threads spinning against other processes on a shared machine make each matmul many times slower."""
     root = str(PACKAGE_DIR.parent)
-    changes = {"PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else ""),
-               "KVLAB_FORCE": "1"}  # run_one has checked the fit already (and honoured force)
+    changes = {"PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
     if all(point["device"] == "cpu" for point in points) and "OMP_NUM_THREADS" not in os.environ:
         changes["OMP_NUM_THREADS"] = "1"
     before = {key: os.environ.get(key) for key in changes}
