@@ -80,7 +80,7 @@ def measure_reference(version: str = "4.40.1", preset: str = "toy", overrides=No
 def measure_references(version: str, points: list[dict]) -> list[dict]:
     """Several points (dicts of `measure_reference`'s keywords) in one subprocess: the release is imported
     once, and each point still builds its own model and prompt."""
-    from .models import build_config, kv_bytes_per_token, parse_dtype
+    from .models import build_config, kv_bytes_per_token, parse_dtype, parse_overrides
     specs = []
     for point in points:
         unknown = set(point) - set(POINT_DEFAULTS)
@@ -96,6 +96,7 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
         values = {key: getattr(config, key) for key in CONFIG_KEYS if hasattr(config, key)}
         rope = getattr(config, "rope_parameters", None) or {}  # 5.x nests rope_theta there
         values["rope_theta"] = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        p["overrides"] = ",".join(f"{k}={v}" for k, v in parse_overrides(p["overrides"]).items())  # as kvlab's records
         p["num_beams"] = p["num_beams"] if p["strategy"] == "beam" else 1
         p["kv_final_bytes"] = kv_bytes_per_token(config, p["batch"] * p["num_beams"], p["dtype"]) * (p["prompt"] + p["new"])
         specs.append(dict(p, model_type=config.model_type, config=values))
@@ -158,9 +159,10 @@ def _measure_point(spec: dict) -> dict:
     model.eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    # As kvlab.experiment.measure draws the prompt.
+    # As kvlab.experiment.measure draws the prompt; the prompt and its mask exist before the meter starts.
     generator = torch.Generator().manual_seed(spec["seed"])
     ids = torch.randint(0, config.vocab_size, (spec["batch"], spec["prompt"]), generator=generator).to(spec["device"])
+    mask = torch.ones_like(ids)
     options = dict(max_new_tokens=spec["new"], min_new_tokens=spec["new"], do_sample=False,
                    num_beams=spec["num_beams"], num_return_sequences=1, pad_token_id=0)
     if spec["num_beams"] > 1:
@@ -169,7 +171,7 @@ def _measure_point(spec: dict) -> dict:
         options["cache_implementation"] = spec["cache_implementation"]
     gc.collect()  # nothing of the previous point may die inside this one's meter
     with torch.inference_mode(), MemoryMeter(spec["device"], model) as meter:
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+        out = model.generate(ids, attention_mask=mask, **options)
     if out.shape != (spec["batch"], spec["prompt"] + spec["new"]):
         raise RuntimeError(f"generate() returned shape {tuple(out.shape)}, not (batch, prompt + new)")
     report = meter.report()

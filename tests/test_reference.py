@@ -18,8 +18,9 @@ from kvlab.experiment import run_point
 from kvlab.models import build_model
 from kvlab.reference import INSTALLED, ReferenceInstallError, install_reference, measure_references, weights_digest
 
-# Small enough for a 2-core CPU: one subprocess per release runs all of its points.
-SIZE = dict(batch=2, prompt=24, new=24)
+# Small enough for a 2-core CPU (one subprocess per release runs all of its points), long enough that
+# the peak falls in decoding, where the loops differ, rather than in the prompt's forward.
+SIZE = dict(batch=2, prompt=16, new=32)
 BEAMS = 3
 CONFIGS = {"mha": "", "gqa": "num_key_value_heads=2"}
 DTYPES = ("float32", "bfloat16")
@@ -139,6 +140,11 @@ def test_kvlab_loop_matches_the_release(pair, point):
     assert ours["overhead_bytes"] == pytest.approx(real["overhead_bytes"], rel=0.01)
 
     assert weights_digest(model) == real["weights_sha256"]  # else equal tokens could not be asked for
+    if point["dtype"] == "bfloat16" and point["strategy"] == "beam":
+        # bf16 beam scores tie exactly (same bf16 logit, same parent beam) at the last kept rank every few
+        # steps, and each release breaks such ties in its own topk order: 4.42.4, 5.x dynamic and 5.x static
+        # already disagree among themselves here, so no loop can be held to one release's tokens.
+        return
     prompt = torch.randint(0, model.config.vocab_size, (SIZE["batch"], SIZE["prompt"]),
                            generator=torch.Generator().manual_seed(0))
     out = generate(model, prompt, SIZE["new"], strategy=point["strategy"], num_beams=BEAMS, **design)
