@@ -8,8 +8,9 @@ READY  := $(VENV)/.ready
 LEGACY_4_40 := .legacy-tf/transformers-4.40.1.dist-info
 LEGACY_4_42 := .legacy-tf-4.42/transformers-4.42.4.dist-info
 LEGACY := $(LEGACY_4_40) $(LEGACY_4_42)
+OLDEST := .tf-oldest/.ready
 
-.PHONY: compare test lab legacy wheelhouse clean
+.PHONY: compare test test-oldest lab legacy wheelhouse clean
 
 $(READY): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,17 +30,26 @@ $(LEGACY_4_42): $(READY)
 
 legacy: $(LEGACY)
 
+# transformers 5.17, the oldest kvlab supports, in .tf-oldest/ (pins and test subset: the script).
+$(OLDEST): $(READY) scripts/oldest-transformers.sh
+	PYTHON=$(BIN)/python scripts/oldest-transformers.sh install
+
+# The token, memory and compat tests again, with 5.17 shadowing the pinned transformers.
+test-oldest: $(OLDEST)
+	PYTHON=$(BIN)/python scripts/oldest-transformers.sh test -q
+
 compare: $(READY)
 	$(BIN)/python -m kvlab compare
 
-test: $(READY) $(LEGACY)
+test: $(READY) $(LEGACY) $(OLDEST)
 	$(BIN)/python -m pytest -q
+	PYTHON=$(BIN)/python scripts/oldest-transformers.sh test -q
 
 lab: $(READY)
 	$(BIN)/jupyter lab notebooks/
 
 clean:
-	rm -rf $(VENV) .legacy-tf results
+	rm -rf $(VENV) .legacy-tf .tf-oldest results
 
 # A folder of wheels for an air-gapped GPU node (papermill stack, kvlab, transformers 4.40.1): docs/offline-gpu.md
 wheelhouse: $(READY)
