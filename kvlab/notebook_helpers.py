@@ -58,13 +58,15 @@ class BytesWritten(TorchDispatchMode):
 
 # -- tables ------------------------------------------------------------------------------------------
 def summary_table(records: list[dict], extra: tuple[str, ...] = ()) -> pd.DataFrame:
-    """The record fields a reader needs, bytes shown in MiB, one row per measured point."""
+    """The record fields a reader needs, bytes shown in MiB, one row per measured point (speed only for
+    points that were timed: `timing=False` leaves `tokens_per_s` empty)."""
     df = pd.DataFrame(records)
     table = pd.DataFrame({key: df[key] for key in ("cache", "loop", *extra) if key in df})
     table["KV_MiB"] = (df["kv_final_bytes"] / MIB).round(2)
     table["peak_above_weights_MiB"] = (df["overhead_bytes"] / MIB).round(2)
-    table["peak/KV"] = df["overhead_over_kv"].round(2)
-    table["seconds"] = df["seconds"].round(2)
+    table["peak/KV"] = df["overhead_over_kv"].round(3)
+    if df["tokens_per_s"].notna().any():
+        table["tokens/s (unmetered)"] = pd.to_numeric(df["tokens_per_s"]).round(1)
     return table
 
 

@@ -25,13 +25,13 @@ COLAB_PREFIX = "https://colab.research.google.com/github/kvlab/kvlab/blob/main/n
 # their own defaults unless they define one of TINY_SWITCHES.
 TINY: dict[str, dict] = {
     "01_torch_cat_copies": dict(device="cpu", width=64, rows=256, layers=4, steps=6, lengths=[4, 8, 16]),
-    "02_legacy_vs_inplace": dict(device="cpu", batch=1, prompt=8, new=5, leak_overrides="vocab_size=2000",
-                                 leak_batch=1, leak_prompt=16, leak_new=3, check_batch=1, check_prompt=4,
-                                 check_new=3),
+    "02_tuple_vs_dynamic": dict(device="cpu", preset="toy", dtype="float32", batch=1, prompt=8, new=5,
+                                leak_preset="toy", leak_overrides="vocab_size=2000", leak_batch=1, leak_prompt=16,
+                                leak_new=3, check_batch=1, check_prompt=4, check_new=3),
     "03_experiment_point": dict(device="cpu", preset="toy", overrides="num_hidden_layers=1", batch=1, prompt=8,
                                 new=4),
-    "05_strategies_and_restart": dict(device="cpu", batch=1, prompt=8, new=5, num_beams=2, restart_new=3,
-                                      check_new=3),
+    "05_strategies_and_restart": dict(device="cpu", preset="toy", dtype="float32", batch=1, prompt=8, new=5,
+                                      num_beams=2, restart_new=3, check_new=3),
 }
 TINY_SWITCHES = ("tiny", "smoke", "quick", "smoke_test")
 # Parameters that name a file or folder the notebook writes: pointed into the tmp dir.
