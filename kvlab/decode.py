@@ -43,6 +43,7 @@ class Loop:
     upcasts_every_position: bool  # the forward returns fp32 logits for every fed position
     last_position_logits_only: bool  # `logits_to_keep=1`: no prompt logits at all
     repeats_kv: bool  # SDPA on repeat_kv copies for grouped-query models
+    preallocates_beam_buffers: bool = False  # 5.x beam search: full-length sequences and beam indices
 
 
 LOOPS = {
@@ -51,7 +52,7 @@ LOOPS = {
     "v4.42": Loop("v4.42", keeps_previous_outputs=False, upcasts_every_position=True, last_position_logits_only=False,
                   repeats_kv=True),
     "v5": Loop("v5", keeps_previous_outputs=False, upcasts_every_position=False, last_position_logits_only=True,
-               repeats_kv=False),
+               repeats_kv=False, preallocates_beam_buffers=True),
 }
 RENAMED_PATTERNS = {"legacy": "v4.40", "fixed": "v4.42 or v5"}  # `pattern` before the fidelity issue
 STRATEGIES = ("greedy", "sample", "beam")
@@ -147,7 +148,8 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "d
     kv = past
     if kv is None:
         options = dict(cache_options or {})
-        options.setdefault("max_cache_len", tokens.shape[1] + new_tokens)
+        # As generate() sizes it: the last new token is never fed back, so it never enters the cache.
+        options.setdefault("max_cache_len", tokens.shape[1] + new_tokens - 1)
         kv = make_cache(cache, model, **options)
     elif strategy == "beam" and tokens.shape[0] != cache_batch(kv):
         raise ValueError("a beam-search restart needs the tokens of the first call (batch * beams rows)")
@@ -171,6 +173,10 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "d
         beam_scores = torch.zeros(batch, num_beams, device=device)
         beam_scores[:, 1:] = -1e9
         beam_scores = beam_scores.view(-1)
+        if release.preallocates_beam_buffers:  # running and finished sequences, and their beam indices
+            length = tokens.shape[1] + new_tokens
+            beam_buffers = [torch.zeros(batch, num_beams, length, dtype=torch.long, device=device) for _ in "ab"]
+            beam_buffers += [torch.zeros(batch, num_beams, new_tokens, dtype=torch.int32, device=device) for _ in "ab"]
 
     outputs = None
     start = time.perf_counter()
@@ -179,12 +185,14 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "d
             cached = cache_length(kv)
             seq_len = tokens.shape[1]
             step_cache = TupleRoundTripCache.from_tuples(kv, layers) if tuple_cache else kv
+            # As generate() makes them: a mask of ones, and position ids per row from its cumsum, of which
+            # the forward gets a view of the new positions (so rotary cos/sin have a row per sequence too).
+            mask = torch.ones(tokens.shape[0], seq_len, dtype=torch.long, device=device)
+            positions = mask.cumsum(-1) - 1
             new_outputs = model(
                 input_ids=tokens[:, cached:],
-                # As generate() passes it; on meta there are no values to inspect, and no padding anyway.
-                attention_mask=None if device.type == "meta" else torch.ones(
-                    tokens.shape[0], seq_len, dtype=torch.long, device=device),
-                position_ids=torch.arange(cached, seq_len, device=device).unsqueeze(0),
+                attention_mask=None if device.type == "meta" else mask,  # meta: no values to inspect
+                position_ids=positions[:, cached:],
                 use_cache=True,
                 **logits_to_keep,
                 **{argument: step_cache},
@@ -222,7 +230,9 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "d
                     del pairs
                 else:
                     kv.reorder_cache(beam_idx)
-            del next_logits
+            # `next_logits` (and beam `scores`, sampling `probs`) stay alive into the next step, as the locals
+            # of generate()'s loop do: each is rebound only after the next forward has returned.
+            del mask, positions
             tokens = torch.cat([tokens, next_tokens[:, None]], dim=-1)
 
             if meter is not None:

@@ -119,7 +119,7 @@ def measure(model=None, **params):
     prompt = torch.randint(0, config.vocab_size, (p["batch"], p["prompt"]), generator=generator).to(p["device"])
     options = dict(cache=p["cache"], loop=p["loop"], strategy=p["strategy"], num_beams=p["num_beams"],
                    seed=p["seed"], cache_options=dict(chunk_limit=p["chunk_limit"], block_tokens=p["block_tokens"],
-                                                      max_cache_len=p["prompt"] + p["new"] + p["restart_new"]))
+                                                      max_cache_len=p["prompt"] + p["new"] + p["restart_new"] - 1))
     if p["strategy"] == "sample":
         options.update(temperature=0.7, top_k=50, top_p=0.9)
     gc.collect()

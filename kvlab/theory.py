@@ -69,6 +69,7 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
     release = LOOPS[loop]
     tuple_cache, keeps_outputs = cache == "tuple", release.keeps_previous_outputs
     max_len = prompt + new + restart_new
+    static_len = max_len - 1  # as generate() sizes it: the last new token never enters the cache
     capacity_of = lambda n: math.ceil(n / block_tokens) * block_tokens  # noqa: E731
     groups = s.heads // s.kv_heads
     held_after_first = prompt + new - 1  # the caller's tuple during a restart
@@ -79,24 +80,37 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
     for index, (call, fed, before, after) in enumerate(_steps(prompt, new, restart_new)):
         first_of_call = index == 0 or (call == 1 and before == held_after_first)
         persistent = {
-            "tokens and attention mask (int64)": 2 * s.rows * after * INT64,
+            "tokens, attention mask and position ids (int64)": 3 * s.rows * after * INT64,
             "previous step's logits (v4.40)": prev_logits,
         }
+        # The loop's locals from the previous step live through the forward, until they are rebound.
+        previous = {}
+        if not first_of_call:
+            if not keeps_outputs:  # (v4.40's next-token logits are a view into the kept outputs)
+                previous["previous step's next-token logits (fp32)"] = s.rows * s.vocab * FP32
+            if strategy in ("beam", "sample"):
+                previous[f"previous step's {'beam scores' if strategy == 'beam' else 'probabilities'} (fp32)"] = (
+                    s.rows * s.vocab * FP32)
+        if strategy == "beam" and release.preallocates_beam_buffers:
+            length, count = (prompt + new, new) if call == 0 else (prompt + new + restart_new, restart_new)
+            persistent["5.x beam bookkeeping (sequences, beam indices)"] = 2 * s.rows * (length * INT64 + count * 4)
         if tuple_cache and call == 1 and not first_of_call:
             persistent["tuple the caller still holds (restart)"] = s.kv(held_after_first)
         if tuple_cache and keeps_outputs and strategy == "beam" and before > 0:
             persistent["un-reordered tuple held by outputs (beam, v4.40)"] = s.kv(before)
         old_tuple = s.kv(before) if tuple_cache else 0
-        held_after = _held(s, cache, after, capacity_of, max_len)
-        # Alive in the last layer: the embeddings, the residual stream, the normed input, q, k, v (and
-        # rotary cos/sin, batch 1). The model keeps `inputs_embeds` referenced for its whole forward.
+        held_after = _held(s, cache, after, capacity_of, static_len)
+        # Alive in the last layer: the embeddings, the residual stream, the normed input, q, k, v and the
+        # rotary cos/sin (one row per sequence, from the position ids). The model keeps `inputs_embeds`
+        # referenced for its whole forward.
         hidden_states = 3 * s.rows * fed * s.hidden * s.e
-        rotary = 2 * fed * s.head_dim * s.e
+        rotary = 2 * s.rows * fed * s.head_dim * s.e
         layer_acts = hidden_states + s.rows * fed * (s.heads + 2 * s.kv_heads) * s.head_dim * s.e + rotary
 
-        # Phase: the last layer's cache update and attention.
-        update = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
-                  "activations of one layer": layer_acts}
+        # Phase: the last layer's cache update (its copies die before attention starts) ...
+        base = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
+                "activations of one layer": layer_acts}
+        update, attention = dict(base), dict(base)
         if cache == "dynamic" and before > 0:
             update["old values tensor during its cat"] = s.t * before
         if cache == "list":
@@ -105,13 +119,14 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
                 chunks = 1
                 update["consolidation: old chunks during the cat"] = s.t * after
             elif chunks > 1:
-                update["keys and values concatenated for attention"] = 2 * s.t * after
+                attention["keys and values concatenated for attention"] = 2 * s.t * after
         if cache == "prealloc" and before > 0 and capacity_of(after) > capacity_of(before):
             update["old values buffer during growth"] = s.t * capacity_of(before)
+        # ... and its attention, which <= 4.42 ran on repeat_kv copies of the layer's keys and values.
         if release.repeats_kv and groups > 1:
-            update["repeat_kv copies of one layer (<= 4.42 SDPA)"] = 2 * groups * s.t * (
-                max_len if cache == "static" else after)
-        phases = {"update": update}
+            attention["repeat_kv copies of one layer (<= 4.42 SDPA)"] = 2 * groups * s.t * (
+                static_len if cache == "static" else after)
+        phases = {"update": update, "attention": attention}
 
         # Phase: the MLP of the last layer (matters for the prompt only).
         phases["mlp"] = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
@@ -130,15 +145,16 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
             if tuple_cache and keeps_outputs:
                 reorder = {"un-reordered tuple (held by outputs)": s.kv(after), "reordered tuple": s.kv(after)}
             else:  # one tensor at a time, the old one freed before the next is copied
-                largest = {"prealloc": capacity_of(after), "static": max_len,
+                largest = {"prealloc": capacity_of(after), "static": static_len,
                            "list": after - (chunks - 1)}.get(cache, after)  # list: its largest chunk
                 reorder = {"cache": held_after, "one reordered tensor": s.t * largest}
             reorder["logits kept (v4.40)" if keeps_outputs else "next-token logits (fp32)"] = (
                 s.rows * fed * s.vocab * FP32 if keeps_outputs else s.rows * s.vocab * FP32)
+            reorder["beam scores (fp32)"] = s.rows * s.vocab * FP32
             phases["beam reorder"] = reorder
 
         for name, terms in phases.items():
-            terms = {**persistent, **terms}
+            terms = {**persistent, **(previous if name != "beam reorder" else {}), **terms}
             total = sum(terms.values())
             if total > best[0]:
                 best = (total, f"step {index} ({'restart ' if call else ''}{name})", terms)
