@@ -1,10 +1,13 @@
 """One memory meter for every device.
 
-CUDA: the caching allocator's own counters (peak allocated and peak reserved above a baseline).
-CPU and meta have no allocator counter, so we count the bytes of live tensor storages at operator
-granularity: a TorchDispatchMode sees every aten op's outputs, registers each new storage and
-notices through a weakref finalizer when it dies. (PyTorch's `torch.distributed._tools.mem_tracker`
-works this way but is private and documented as approximate; this one is small and exact.)
+CUDA: the caching allocator's own counters (peak allocated and peak reserved above what was allocated
+when the meter started). CPU and meta have no allocator counter, so we count the bytes of live tensor
+storages at operator granularity: a TorchDispatchMode sees every aten op's outputs, registers each new
+storage and notices through a weakref finalizer when it dies. (PyTorch's
+`torch.distributed._tools.mem_tracker` works this way but is private and documented as approximate.)
+The counter is exact for what it sees: on decodes of every cache design it gives the same peak, to the
+byte, as PyTorch's profiler (`kvlab.profiler`, c10's allocator events). What it cannot see is listed in
+`LiveStorageCounter` and pinned, counter against profiler, in tests/test_profiler.py.
 
 Both give the peak, a per-decoding-step timeline (live bytes at each step's end and the peak inside
 it) and what was live at the peak, split into weights / kv / logits / other. Labels come from the
@@ -30,11 +33,27 @@ def _storages(tree):
             yield leaf.untyped_storage()
 
 
+LIFT_FRESH = torch.ops.aten.lift_fresh.default
+
+
 class LiveStorageCounter(TorchDispatchMode):
     """Counts the bytes of tensor storages created while it is active and still alive.
 
     An aten op's output either aliases one of its inputs (views, in-place and out= ops) or is a
     fresh allocation; only the latter is counted, so tensors that existed before (weights) are not.
+    `torch.tensor(data)` / `torch.as_tensor(list)` build their storage outside dispatch and hand it
+    to `aten.lift_fresh`, so that op's input is counted as new.
+
+    Exact (byte for byte, in the order ops run) for storages that dispatched ops return on the
+    thread that entered it. Blind spots, each pinned by a test against PyTorch's profiler:
+    - allocations inside one kernel that no output keeps: SDPA's workspace, dtype casts and copies
+      inside a kernel, and the 0-dim tensors the argument parser wraps Python scalars in (`x * 2.0`);
+      they are transient, so they matter only when the peak falls inside that kernel;
+    - storages built without an op: `torch.load`, `torch.UntypedStorage(n)` (with `set_`);
+    - tensors made in another Python thread (a dispatch mode is thread-local; the profiler misses them too);
+    - memory that c10 did not allocate: `torch.from_numpy`, `torch.frombuffer` (neither meter counts it);
+    - storages that existed before and are freed while it runs are not subtracted: the count is of
+      bytes allocated while it is active.
     """
 
     def __init__(self):
@@ -60,7 +79,9 @@ class LiveStorageCounter(TorchDispatchMode):
                 continue
             if inputs is None:
                 inputs = {s._cdata for s in _storages((args, kwargs))}
-            if key in inputs:
+            # lift_fresh's input was made just now, outside dispatch, by c10 (resizable); a from_numpy
+            # storage also passes through it but wraps numpy's memory, which is not an allocation.
+            if key in inputs and not (func is LIFT_FRESH and storage.resizable()):
                 continue
             self.live[key] = (next(self._serials), nbytes)
             weakref.finalize(storage, self._free, key)
@@ -97,6 +118,16 @@ class StepMemory:
 
 @dataclass
 class MemoryReport:
+    """What one `MemoryMeter` run measured; the same definitions on every device.
+
+    baseline_bytes: the model's weights (parameters and buffers, each storage once; 0 without a model).
+        Not "everything live at the start": the CPU has no counter of that, so CUDA does not use it either.
+    overhead_bytes = peak_bytes - baseline_bytes: the highest number of bytes allocated inside the
+        `with` block and not yet freed. Whatever the process held at entry (the prompt, an earlier
+        cache, other models) is in neither number. One difference remains: on CUDA the allocator's
+        total also drops when a tensor from before the block is freed inside it; the counter never sees it.
+    """
+
     device: str
     method: str  # "cuda-allocator" or "live-storages"
     baseline_bytes: int
@@ -116,6 +147,7 @@ class MemoryMeter:
 
     On CUDA the peak comes from the allocator; set `track_storages=True` to also count live
     storages there (slower: Python runs at every op) for the split at the peak and a cross-check.
+    The baseline is the model's weights on every device; see `MemoryReport`.
     """
 
     def __init__(self, device="cpu", model: torch.nn.Module | None = None, track_storages: bool | None = None):
@@ -124,7 +156,7 @@ class MemoryMeter:
         self.track_storages = (not self.on_cuda) if track_storages is None else track_storages
         if not self.on_cuda and not self.track_storages:
             raise ValueError("without CUDA the only meter is the live-storage counter")
-        self.weights = 0
+        self.weights = 0  # the baseline on every device (see MemoryReport)
         if model is not None:
             from .models import weight_bytes
             self.weights = weight_bytes(model)
@@ -132,16 +164,16 @@ class MemoryMeter:
         self.labels: dict[int, str] = {}  # storage serial -> category
         self.timeline: list[StepMemory] = []
         self.cuda_peak = self.reserved_peak = 0  # CUDA: highest over the steps closed so far
+        self.start_allocated = 0  # CUDA: bytes the allocator held at entry; overhead is counted above it
         self._report: MemoryReport | None = None
 
     # -- lifecycle -------------------------------------------------------------------------
     def __enter__(self):
+        self.baseline = self.weights
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
-            self.baseline = torch.cuda.memory_allocated(self.device)
-        else:
-            self.baseline = self.weights
+            self.start_allocated = torch.cuda.memory_allocated(self.device)
         if self.counter is not None:
             self.counter.__enter__()
         return self
@@ -156,16 +188,16 @@ class MemoryMeter:
 
     # -- during the run ----------------------------------------------------------------------
     def live_bytes(self) -> int:
-        """Bytes live now, above the baseline."""
+        """Bytes allocated since the meter started and still live (above the baseline)."""
         if self.on_cuda:
-            return torch.cuda.memory_allocated(self.device) - self.baseline
+            return torch.cuda.memory_allocated(self.device) - self.start_allocated
         return self.counter.live_bytes
 
     def step(self):
         """Close one decoding step: record live bytes now and the peak since the last step."""
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
-            peak = torch.cuda.max_memory_allocated(self.device) - self.baseline
+            peak = torch.cuda.max_memory_allocated(self.device) - self.start_allocated
             self.cuda_peak = max(self.cuda_peak, peak)
             self.reserved_peak = max(self.reserved_peak, torch.cuda.max_memory_reserved(self.device))
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -202,7 +234,7 @@ class MemoryMeter:
                 at_peak[self.labels.get(serial, "other")] += nbytes
             storages_peak = self.counter.peak_bytes
         if self.on_cuda:
-            peak = max(self.cuda_peak, torch.cuda.max_memory_allocated(self.device) - self.baseline)
+            peak = max(self.cuda_peak, torch.cuda.max_memory_allocated(self.device) - self.start_allocated)
             reserved = max(self.reserved_peak, torch.cuda.max_memory_reserved(self.device))
             return MemoryReport(str(self.device), "cuda-allocator", self.baseline, self.baseline + peak,
                                 reserved, self.timeline, at_peak, storages_peak)

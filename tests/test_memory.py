@@ -1,9 +1,11 @@
 """The meter, on allocations whose bytes we know exactly."""
 
+import numpy as np
 import pytest
 import torch
 
 from kvlab.memory import MemoryMeter
+from kvlab.models import weight_bytes
 
 F32 = 4
 
@@ -74,6 +76,30 @@ def test_model_weights_are_the_baseline(toy):
     assert report.overhead_bytes == 0
 
 
+def test_baseline_is_the_weights_and_nothing_else_live_at_entry(toy):
+    held = torch.ones(1 << 16)  # live when the meter starts, as a prompt or an earlier cache would be
+    with MemoryMeter("cpu", toy) as with_model:
+        x = torch.ones(1000)
+    with MemoryMeter("cpu") as without_model:
+        y = torch.ones(1000)
+    assert with_model.report().baseline_bytes == weight_bytes(toy)
+    assert without_model.report().baseline_bytes == 0
+    # The overhead is what the block allocated, whatever else was live at entry.
+    assert with_model.report().overhead_bytes == without_model.report().overhead_bytes == 1000 * F32
+    del held, x, y
+
+
+def test_tensor_data_is_counted_but_numpy_memory_is_not():
+    # torch.tensor builds its storage outside dispatch and passes it through aten.lift_fresh.
+    array = np.ones(1000, dtype=np.float32)
+    with MemoryMeter("cpu") as meter:
+        made = torch.tensor([1.0] * 1000)
+        wrapped = torch.from_numpy(array)  # numpy's buffer: nothing allocated by torch
+        copied = torch.tensor(array)  # a copy of it: allocated
+    assert meter.report().peak_bytes == 2000 * F32
+    del made, wrapped, copied
+
+
 def test_meta_tensors_are_counted_without_memory():
     with MemoryMeter("meta") as meter:
         x = torch.empty(1 << 30, device="meta")  # 4 GiB that exist only as a shape
@@ -86,6 +112,18 @@ def test_bad_category_is_refused():
     with MemoryMeter("cpu") as meter:
         with pytest.raises(ValueError, match="weights, kv, logits, other"):
             meter.label(torch.ones(1), "cache")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_baseline_is_the_weights_as_on_cpu():
+    model = torch.nn.Linear(256, 256, device="cuda")
+    held = torch.ones(1 << 20, device="cuda")  # live at entry: in memory_allocated, not in the baseline
+    with MemoryMeter("cuda", model) as meter:
+        x = torch.ones(1 << 20, device="cuda")
+    report = meter.report()
+    assert report.baseline_bytes == (256 * 256 + 256) * F32
+    assert report.overhead_bytes == (1 << 20) * F32 == report.peak_bytes - report.baseline_bytes
+    del held, x
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
