@@ -262,8 +262,7 @@ def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = N
     try:
         if not params["force"]:
             check_fits(params)  # refuse before a kernel starts and allocates
-        parameters = {key: value for key, value in params.items() if key != "force"}  # not a notebook parameter
-        parameters["record_path"] = str(record_path)
+        parameters = dict(params, record_path=str(record_path))
         papermill.execute_notebook(str(notebook), str(executed), parameters=parameters,
                                    kernel_name=kernel_name, progress_bar=False, log_output=False,
                                    cwd=str(PACKAGE_DIR.parent), extra_arguments=QUIET_KERNEL)

@@ -16,8 +16,8 @@ from kvlab.memory import MemoryMeter
 from kvlab.models import build_model
 
 CACHE_DOMINATED = dict(batch=8, prompt=64, new=256, timing=False)
-GREEDY_TOLERANCE = 0.001  # the README's claim for greedy points: theory within 0.1 %
-BEAM_TOLERANCE = 0.02  # ... and within 2 % with beam search
+GREEDY_TOLERANCE = 0.001  # the README's claim: theory within 0.1 % of the meter in fp32 ...
+TOLERANCE = 0.005  # ... and within 0.5 % in bf16 and with beam search
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +35,7 @@ def test_bfloat16_points_are_predicted_within_the_claim(design):
     # bf16 is where the loops differ: v4.40/v4.42 upcast every prompt logit to fp32, v5 keeps one position.
     record = run_point(preset="toy", overrides="num_key_value_heads=2", dtype="bfloat16", cache=design[0],
                        loop=design[1], batch=4, prompt=64, new=32, timing=False)
-    assert abs(record["prediction_error"]) <= GREEDY_TOLERANCE, record["prediction_error"]
+    assert abs(record["prediction_error"]) <= TOLERANCE, record["prediction_error"]
 
 
 def test_tuple_holds_two_caches_and_one_object_one(cache_dominated, toy):
@@ -84,14 +84,14 @@ def test_beam_search_tuple_v4_40_is_about_three_caches(toy):
     before = run_point(toy, cache="tuple", loop="v4.40", **point)
     after = run_point(toy, cache="dynamic", loop="v4.42", **point)
     for record in (before, after):
-        assert abs(record["prediction_error"]) <= BEAM_TOLERANCE
+        assert abs(record["prediction_error"]) <= TOLERANCE
     assert before["overhead_over_kv"] >= 2.9 and after["overhead_over_kv"] <= 1.2
 
 
 @pytest.mark.parametrize("cache", CACHES)
 def test_beam_search_of_every_design_is_predicted(toy, cache):
     record = run_point(toy, cache=cache, loop="v5", batch=2, prompt=32, new=40, strategy="beam", timing=False)
-    assert abs(record["prediction_error"]) <= BEAM_TOLERANCE, record["prediction_error"]
+    assert abs(record["prediction_error"]) <= TOLERANCE, record["prediction_error"]
 
 
 def _reorder_transient(make, reorder):
@@ -147,7 +147,7 @@ def test_the_terms_theory_names_are_what_the_meter_labels_at_the_peak(toy):
     record, report = measure(toy, timing=False, **point)
     explained = theory.explain(toy.config, **point)
     terms = explained["terms_bytes"]
-    assert explained["peak_at"] == "step 63 (update)"
+    assert explained["peak_at"] == "step 63 (mlp)"  # the last step, both tuples complete
     # The meter labels storages as the decode loop names them: both tuples are cache at the peak.
     assert report.at_peak["kv"] == terms["old tuple still referenced"] + terms["cache after the update"]
 
