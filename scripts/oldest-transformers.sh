@@ -38,6 +38,9 @@ case "${1:-}" in
         install
         # kvlab comes from this checkout either way; the folder goes first so its transformers wins.
         export PYTHONPATH="$TARGET${PYTHONPATH:+:$PYTHONPATH}" KVLAB_EXPECT_TRANSFORMERS=$VERSION
+        # One OpenMP thread, as kvlab's CPU sweeps use: the toy model's kernels are too small to share, and on
+        # a busy 2-core runner two threads made this subset 10-20x slower (spinning, not computing).
+        export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
         "$PYTHON" -c "import transformers as t, huggingface_hub as h; print('transformers', t.__version__, \
 'from', t.__file__, '/ huggingface_hub', h.__version__); assert t.__version__ == '$VERSION', t.__version__"
         exec "$PYTHON" -m pytest "${TESTS[@]}" "$@" ;;

@@ -10,9 +10,9 @@ import transformers
 from packaging.version import Version
 from transformers.cache_utils import DynamicCache
 
-from kvlab import caches, decode
+from kvlab.caches import CACHES, cache_length
 from kvlab.compat import cache_argument, cache_from_outputs
-from kvlab.decode import generate
+from kvlab.decode import LOOPS, generate
 
 OLD = "past_key_values"
 
@@ -92,19 +92,13 @@ def test_a_forward_naming_neither_gets_the_installed_name():
     assert cache_argument(Wrapper()) == ("cache" if _renamed() else "past_key_values")
 
 
-def _designs():
-    """Every (cache, loop) pair of kvlab.decode; the names before the API rename too."""
-    loops = getattr(decode, "LOOPS", None) or getattr(decode, "PATTERNS")
-    keyword = "loop" if hasattr(decode, "LOOPS") else "pattern"
-    return [dict(cache=cache, **{keyword: loop}) for cache in caches.CACHES for loop in loops]
-
-
 @pytest.mark.parametrize("strategy", ["greedy", "beam"])
-def test_kvlab_decode_never_uses_the_deprecated_name(toy, prompt, strategy):
+def test_kvlab_decode_fills_its_cache_without_the_deprecated_name(toy, prompt, strategy):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         generate(toy, prompt, 3, strategy=strategy, num_beams=2)  # the defaults
-        for design in _designs():
-            out = generate(toy, prompt, 3, strategy=strategy, num_beams=2, **design)
-            assert out.tokens.shape[1] == prompt.shape[1] + 3
+        for cache in CACHES:
+            for loop in LOOPS:
+                out = generate(toy, prompt, 3, cache=cache, loop=loop, strategy=strategy, num_beams=2)
+                assert cache_length(out.cache) == prompt.shape[1] + 2  # the forward filled kvlab's cache
     assert not [str(w.message) for w in caught if OLD in str(w.message)]
