@@ -59,10 +59,11 @@ def test_the_two_fixes_have_separate_shares_at_step_two():
             step2[cache, loop] = report.timeline[1].peak_bytes
     logits = 2 * 256 * 32000 * 4  # the prompt's fp32 logits, kept by v4.40
     layer_t = 2 * 4 * 64 * 4  # one layer's keys for one token: batch x heads x dim x fp32
-    # v4.42 holds clones of the last position's logits instead: the previous step's and its own.
+    # v4.42 holds clones of the last position's logits instead (the previous step's, and its own once made):
+    # up to two of batch x vocab x fp32, 0.8 % of the prompt's logits.
     clones = 2 * 2 * 32000 * 4
-    assert step2["tuple", "v4.40"] - step2["tuple", "v4.42"] == pytest.approx(logits - clones, rel=0.001)
-    assert step2["dynamic", "v4.40"] - step2["dynamic", "v4.42"] == pytest.approx(logits - clones, rel=0.001)
+    for cache in ("tuple", "dynamic"):
+        assert logits - clones <= step2[cache, "v4.40"] - step2[cache, "v4.42"] <= logits
     # The tuple keeps the whole old cache (256 tokens x 4 layers x K,V) where dynamic keeps one layer's old values.
     assert step2["tuple", "v4.42"] - step2["dynamic", "v4.42"] >= (2 * 4 - 1) * layer_t * 256
 
