@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     compare = sub.add_parser("compare", help="the tuple cache of <= 4.41 vs every later design, on the default device")
     compare.add_argument("--device", default="auto")
-    compare.add_argument("--preset", default=None, help="default: toy on CPU, tinyllama-1.1b on CUDA (see kvlab/sweeps/)")
+    compare.add_argument("--preset", default=None, help="default: llama2-7b-twin on CPU, tinyllama-1.1b on CUDA (see kvlab/sweeps/)")
     compare.add_argument("--batch", type=int, default=None)
     compare.add_argument("--prompt", type=int, default=None)
     compare.add_argument("--new", type=int, default=None)

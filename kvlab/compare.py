@@ -1,6 +1,6 @@
 """The main job: the tuple cache of transformers <= 4.41 vs every later design, on the default device.
 
-It runs a small shipped sweep (`cpu-default` on CPU: the toy preset in fp32; `cuda-default` on a
+It runs a small shipped sweep (`cpu-default` on CPU: the Llama-2-7B twin in bf16; `cuda-default` on a
 GPU: TinyLlama-1.1B in bf16 at the PR's shape), one fresh kernel per point, then prints the
 comparison table, draws the figures and executes the analysis notebook on the results. Everything
 goes to a git-ignored results folder; the committed notebooks are never overwritten.
