@@ -173,7 +173,9 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "d
         beam_scores = torch.zeros(batch, num_beams, device=device)
         beam_scores[:, 1:] = -1e9
         beam_scores = beam_scores.view(-1)
-        if release.preallocates_beam_buffers:  # running and finished sequences, and their beam indices
+        if release.preallocates_beam_buffers:
+            # 5.x's beam search preallocates running and finished sequences and their beam indices at full
+            # length; kvlab never reads these, it only holds the same bytes for the whole loop.
             length = tokens.shape[1] + new_tokens
             beam_buffers = [torch.zeros(batch, num_beams, length, dtype=torch.long, device=device) for _ in "ab"]
             beam_buffers += [torch.zeros(batch, num_beams, new_tokens, dtype=torch.int32, device=device) for _ in "ab"]
