@@ -64,6 +64,11 @@ def provenance(device: str) -> dict:
                 measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
 
 
+def is_true(value) -> bool:
+    """A switch given as a bool, or as text from the command line or a sweep file."""
+    return value in (True, "true", "True", "1", 1)
+
+
 def normalize(**params) -> dict:
     """Fill defaults and check every choice and size, before anything is allocated."""
     if "pattern" in params:
@@ -90,11 +95,11 @@ def normalize(**params) -> dict:
     load_config(p["preset"], p["overrides"])  # raises on a bad preset, key or size, or a hub id not to be had
     if p["track_storages"] == "auto":
         p["track_storages"] = torch.device(p["device"]).type != "cuda"
-    p["track_storages"] = p["track_storages"] in (True, "true", "True", "1", 1)
+    p["track_storages"] = is_true(p["track_storages"])
     # Timing needs real kernels: the meta device has none.
-    p["timing"] = p["timing"] in (True, "true", "True", "1", 1) and torch.device(p["device"]).type != "meta"
+    p["timing"] = is_true(p["timing"]) and torch.device(p["device"]).type != "meta"
     # Skip the check that refuses a point predicted not to fit in the free memory of its device.
-    p["force"] = p["force"] in (True, "true", "True", "1", 1)
+    p["force"] = is_true(p["force"])
     return p
 
 

@@ -42,7 +42,7 @@ PRESETS: dict[str, tuple[type, dict]] = {
 
 # Twins: a real model's layers, heads and KV heads, every width divided by TWIN_SCALE. The peak's
 # ratios (logits, activations and MLP bytes per KV byte) stay the same, and a point at the PR's
-# shape runs on a 2-core CPU in under a minute instead of needing a GPU.
+# shape runs on a 2-core CPU in a minute or two instead of needing a GPU.
 TWIN_SCALE = 32
 TWIN_WIDTHS = ("hidden_size", "intermediate_size", "vocab_size")
 
