@@ -12,7 +12,7 @@ import sys
 
 from .caches import CACHES
 from .decode import LOOPS, STRATEGIES
-from .experiment import DEFAULTS, DESIGNS
+from .experiment import DEFAULTS, DESIGNS, KINDS
 from .models import PRESETS
 
 
@@ -21,6 +21,8 @@ def _point_arguments(parser: argparse.ArgumentParser, defaults: dict = DEFAULTS)
                         f"folder), or a hub id (default: {defaults['preset']})")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, repeatable (e.g. num_hidden_layers=2)")
+    parser.add_argument("--kind", default=None, help=f"one of {', '.join(KINDS)}: kvlab's loop, or the real release's "
+                        "own generate() for that cache/loop (in a subprocess)")
     parser.add_argument("--cache", default=None, help=f"one of {', '.join(CACHES)}")
     parser.add_argument("--loop", default=None, help=f"the release whose generate() loop to run: one of {', '.join(LOOPS)}")
     parser.add_argument("--strategy", default=None, help=f"one of {', '.join(STRATEGIES)}")
@@ -31,7 +33,7 @@ def _point_arguments(parser: argparse.ArgumentParser, defaults: dict = DEFAULTS)
 
 
 def _point_params(args) -> dict:
-    keys = ("preset", "cache", "loop", "strategy", "batch", "prompt", "new", "restart_new", "num_beams",
+    keys = ("kind", "preset", "cache", "loop", "strategy", "batch", "prompt", "new", "restart_new", "num_beams",
             "chunk_limit", "block_tokens", "seed", "device", "dtype", "timing", "force")
     params = {key: getattr(args, key, None) for key in keys if getattr(args, key, None) is not None}
     if args.override:

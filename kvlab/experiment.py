@@ -1,7 +1,11 @@
 """One measured point: parameters in, one flat record (a dict) out.
 
-The same function serves the CLI (`python -m kvlab measure`), the notebooks and every sweep, so a
-number in a figure always comes from here.
+The same function serves the CLI (`python -m kvlab measure`), the notebooks, every sweep and every
+plan, so a number in a figure always comes from here.
+
+A point has a `kind`: "kvlab" decodes with kvlab's cache and loop; "reference" runs the real release's own
+`generate()` that the (cache, loop) pair stands for (see REFERENCES), in a subprocess, through
+`kvlab.reference`, and returns the same record, so the two sit in one table.
 """
 
 from __future__ import annotations
@@ -27,7 +31,13 @@ from .models import check_device, kv_bytes_per_token, load_config, parse_dtype, 
 DESIGNS = [("tuple", "v4.40"), ("tuple", "v4.42"), ("dynamic", "v4.40"), ("dynamic", "v4.42"),
            ("dynamic", "v5"), ("list", "v5"), ("static", "v5"), ("prealloc", "v5")]
 
-DEFAULTS = dict(preset="toy", overrides="", cache="dynamic", loop="v5", strategy="greedy", batch=8,
+# kind="reference": (cache, loop) → the transformers release whose own generate() that design reproduces,
+# and the cache_implementation it is asked for (None: the release's default cache).
+REFERENCES = {("tuple", "v4.40"): ("4.40.1", None), ("dynamic", "v4.42"): ("4.42.4", None),
+              ("dynamic", "v5"): ("installed", None), ("static", "v5"): ("installed", "static")}
+KINDS = ("kvlab", "reference")
+
+DEFAULTS = dict(kind="kvlab", preset="toy", overrides="", cache="dynamic", loop="v5", strategy="greedy", batch=8,
                 prompt=64, new=512, restart_new=0, num_beams=4, device="auto", dtype="float32", seed=0,
                 chunk_limit=50, block_tokens=32, track_storages="auto", timing=True, force=False)
 
@@ -77,9 +87,12 @@ def normalize(**params) -> dict:
     if unknown:
         raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))}; valid: {', '.join(DEFAULTS)}")
     p = {**DEFAULTS, **{k: v for k, v in params.items() if v is not None}}
+    check_choice("kind", p["kind"], KINDS)
     check_cache_name(p["cache"])
     check_choice("loop", p["loop"], LOOPS)
     check_choice("strategy", p["strategy"], STRATEGIES)
+    if p["kind"] == "reference":
+        _check_reference(p)
     for key in ("batch", "prompt", "new", "num_beams", "chunk_limit", "block_tokens"):
         p[key] = int(p[key])
         if p[key] < 1:
@@ -103,23 +116,35 @@ def normalize(**params) -> dict:
     return p
 
 
+def _check_reference(p: dict) -> None:
+    if (p["cache"], p["loop"]) not in REFERENCES:
+        pairs = ", ".join(f"{cache}/{loop} ({version})" for (cache, loop), (version, _) in REFERENCES.items())
+        raise ValueError(f"no transformers release runs {p['cache']}/{p['loop']} in its own generate(); a reference "
+                         f"point is one of: {pairs}")
+    if p["strategy"] not in ("greedy", "beam") or int(p["restart_new"]):
+        raise ValueError("a reference point decodes greedy or beam, without a restart")
+
+
 def run_point(model=None, **params) -> dict:
     """Measure one point and return its flat record. Pass `model` to reuse one already built."""
     return measure(model, **params)[0]
 
 
 def measure(model=None, **params):
-    """Measure one point: (flat record, the meter's full report with timeline and split)."""
+    """Measure one point: (flat record, the meter's full report with timeline and split).
+
+    A reference point runs in its own process: the report is None and `model` is not used."""
     p = normalize(**params)
     # Refuse a point predicted not to fit, before allocating anything.
     if not p["force"]:
         from .predict import check_fits
-        check_fits(p, model)
+        check_fits(p, model if p["kind"] == "kvlab" else None)
+    if p["kind"] == "reference":
+        return _measure_reference(p), None
     from .models import build_model
     if model is None:
         model = build_model(p["preset"], p["overrides"], p["device"], p["dtype"], p["seed"])
     config = model.config
-    rows = p["batch"] * (p["num_beams"] if p["strategy"] == "beam" else 1)
     generator = torch.Generator().manual_seed(p["seed"])
     prompt = torch.randint(0, config.vocab_size, (p["batch"], p["prompt"]), generator=generator).to(p["device"])
     options = dict(cache=p["cache"], loop=p["loop"], strategy=p["strategy"], num_beams=p["num_beams"],
@@ -137,27 +162,50 @@ def measure(model=None, **params):
         # The live-storage counter runs Python at every op and slows designs unequally: time a run
         # without it. The CUDA allocator's counters cost nothing, so there the measured run is the timed one.
         seconds = _decode(model, prompt, p, options, None) if meter.counter is not None else metered_seconds
+    at_peak = report.at_peak if p["track_storages"] else {}
+    measured = dict(meter=report.method, baseline_bytes=report.baseline_bytes, peak_bytes=report.peak_bytes,
+                    overhead_bytes=report.overhead_bytes, reserved_peak_bytes=report.reserved_peak_bytes,
+                    storages_peak_bytes=report.storages_peak_bytes, kv_at_peak_bytes=at_peak.get("kv"),
+                    logits_at_peak_bytes=at_peak.get("logits"), other_at_peak_bytes=at_peak.get("other"))
+    return _record(p, config, measured, seconds, provenance(p["device"])), report
+
+
+def _record(p: dict, config, measured: dict, seconds: float | None, origin: dict) -> dict:
+    """The flat record of a measured point: its parameters, what the meter saw, KV, theory, speed, provenance."""
+    rows = p["batch"] * (p["num_beams"] if p["strategy"] == "beam" else 1)
     kv_final = kv_bytes_per_token(config, rows, p["dtype"]) * (p["prompt"] + p["new"] + p["restart_new"])
     predicted = theory.predict_overhead(config, **{k: p[k] for k in theory.POINT_KEYS})
-    record = dict(
-        preset=p["preset"], overrides=p["overrides"], cache=p["cache"], loop=p["loop"],
+    overhead = measured["overhead_bytes"]
+    return dict(
+        preset=p["preset"], overrides=p["overrides"], cache=p["cache"], loop=p["loop"], kind=p["kind"],
         strategy=p["strategy"], batch=p["batch"], prompt=p["prompt"], new=p["new"],
         restart_new=p["restart_new"], num_beams=p["num_beams"] if p["strategy"] == "beam" else 1,
-        device=p["device"], dtype=p["dtype"], meter=report.method,
-        baseline_bytes=report.baseline_bytes, peak_bytes=report.peak_bytes,
-        overhead_bytes=report.overhead_bytes, reserved_peak_bytes=report.reserved_peak_bytes,
-        storages_peak_bytes=report.storages_peak_bytes,
-        kv_final_bytes=kv_final, overhead_over_kv=round(report.overhead_bytes / kv_final, 4),
+        device=p["device"], dtype=p["dtype"], meter=measured["meter"],
+        baseline_bytes=measured["baseline_bytes"], peak_bytes=measured["peak_bytes"],
+        overhead_bytes=overhead, reserved_peak_bytes=measured.get("reserved_peak_bytes"),
+        storages_peak_bytes=measured.get("storages_peak_bytes"),
+        kv_final_bytes=kv_final, overhead_over_kv=round(overhead / kv_final, 4),
         predicted_overhead_bytes=predicted,
-        prediction_error=round(report.overhead_bytes / predicted - 1, 4) if predicted else None,
-        kv_at_peak_bytes=report.at_peak["kv"] if p["track_storages"] else None,
-        logits_at_peak_bytes=report.at_peak["logits"] if p["track_storages"] else None,
-        other_at_peak_bytes=report.at_peak["other"] if p["track_storages"] else None,
+        prediction_error=round(overhead / predicted - 1, 4) if predicted else None,
+        kv_at_peak_bytes=measured.get("kv_at_peak_bytes"),
+        logits_at_peak_bytes=measured.get("logits_at_peak_bytes"),
+        other_at_peak_bytes=measured.get("other_at_peak_bytes"),
         seconds=round(seconds, 4) if seconds else None,
         tokens_per_s=round(p["batch"] * (p["new"] + p["restart_new"]) / seconds, 2) if seconds else None,
-        **provenance(p["device"]),
+        **origin,
     )
-    return record, report
+
+
+def _measure_reference(p: dict) -> dict:
+    """The release's own generate() at this point (kvlab.reference: a subprocess, the same meter)."""
+    from .reference import measure_reference
+    version, implementation = REFERENCES[(p["cache"], p["loop"])]
+    real = measure_reference(version, p["preset"], p["overrides"] or None, p["batch"], p["prompt"], p["new"],
+                             p["dtype"], p["strategy"], p["num_beams"], implementation, p["device"], p["seed"])
+    # Provenance of this process, with the versions the subprocess really ran.
+    origin = dict(provenance(p["device"]), transformers_version=real["transformers_version"],
+                  torch_version=real["torch_version"])
+    return _record(p, load_config(p["preset"], p["overrides"]), real, None, origin)
 
 
 def _decode(model, prompt, p, options, meter) -> float:
