@@ -12,12 +12,15 @@ OLDEST := .tf-oldest/.ready
 
 .PHONY: compare test test-oldest lab legacy wheelhouse clean
 
+# The environment, and the notebooks' kernel under its own name, kvlab (kvlab.colab.KERNEL): one named python3
+# would shadow the user's default kernel (the python3 that earlier checkouts registered here is removed).
 $(READY): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements.lock
 	$(BIN)/python -m pip install --quiet --no-deps -e .
-	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (kvlab)" >/dev/null
+	rm -rf $(VENV)/share/jupyter/kernels/python3
+	$(BIN)/python -m ipykernel install --sys-prefix --name kvlab --display-name "Python 3 (kvlab)" >/dev/null
 	touch $@
 
 # transformers 4.40.1 (the last tuple-cache release) and 4.42.4 (PR #30536 as released), each in its own
@@ -46,6 +49,7 @@ test: $(READY) $(LEGACY) $(OLDEST)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q
 	PYTHON=$(BIN)/python scripts/oldest-transformers.sh test -q
 
+# JupyterLab on the notebooks, which name the kvlab kernel registered above.
 lab: $(READY)
 	$(BIN)/jupyter lab notebooks/
 

@@ -1,0 +1,63 @@
+"""How a notebook reaches its reader: the public repository, the "Open in Colab" badge, the Colab setup
+cell, and the Jupyter kernel the notebooks name.
+
+REPOSITORY is the one place that says where the project lives; every badge and setup cell is generated
+from it (`python -m kvlab.notebooks stamp notebooks/*.ipynb`) and tests/test_notebooks.py checks they agree.
+"""
+
+from __future__ import annotations
+
+import re
+
+REPOSITORY = "https://github.com/kvlab/kvlab"   # the public repository: change it here only, then re-stamp
+BRANCH = "main"
+
+# `make lab` registers the project's virtual environment under this name (never `python3`, which would
+# shadow the user's default kernel) and every notebook names it in its metadata.
+KERNEL = {"name": "kvlab", "display_name": "Python 3 (kvlab)", "language": "python"}
+FALLBACK_KERNEL = "python3"   # jupyter_client's native kernel: the Python running papermill
+
+BADGE_IMAGE = "https://colab.research.google.com/assets/colab-badge.svg"
+SETUP_TAG = "colab-setup"
+
+
+def colab_url(notebook: str, repository: str = REPOSITORY, branch: str = BRANCH) -> str:
+    """Colab's URL for notebooks/<notebook> of a GitHub repository."""
+    match = re.fullmatch(r"https://github\.com/([^/]+)/([^/]+?)(?:\.git)?/?", repository)
+    if not match:
+        raise ValueError(f"not a GitHub repository URL: {repository!r} (expected https://github.com/OWNER/NAME)")
+    owner, name = match.groups()
+    return f"https://colab.research.google.com/github/{owner}/{name}/blob/{branch}/notebooks/{notebook}"
+
+
+def badge(notebook: str) -> str:
+    """The markdown line of the "Open in Colab" badge for notebooks/<notebook>."""
+    return f"[![Open In Colab]({BADGE_IMAGE})]({colab_url(notebook)})"
+
+
+# Runs first in every notebook. In Colab it clones the repository (the notebooks read ../data, which no
+# package carries), installs kvlab with its runtime dependencies while a constraint pins Colab's own torch,
+# and moves into notebooks/ so relative paths resolve as they do in a checkout. KVLAB_REPOSITORY lets the
+# Colab emulation test point the clone at a local checkout. Anywhere else the cell does nothing.
+SETUP_CELL = f'''\
+# Setup. In Colab: fetch kvlab with its data, install it beside Colab's own torch, work from notebooks/.
+# Anywhere else this cell does nothing: run the notebook from the project's environment (`make lab`).
+import os
+import sys
+
+if "google.colab" in sys.modules and not os.path.isdir("../data"):
+    if not os.path.isdir("kvlab"):
+        from importlib.metadata import version
+
+        repository = os.environ.get("KVLAB_REPOSITORY", "{REPOSITORY}")
+        !git clone --quiet --depth 1 {{repository}} kvlab
+        !echo "torch=={{version('torch')}}" > keep-torch.txt
+        %pip install --quiet --constraint keep-torch.txt ./kvlab
+    os.chdir("kvlab/notebooks")'''
+
+
+def kernel_name() -> str:
+    """The kernel to execute a notebook with: `kvlab` where `make lab` registered it, else the native one."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    return KERNEL["name"] if KERNEL["name"] in KernelSpecManager().find_kernel_specs() else FALLBACK_KERNEL
