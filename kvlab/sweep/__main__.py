@@ -1,0 +1,5 @@
+"""`python -m kvlab.sweep ...`, the same as `python -m kvlab sweep ...`."""
+
+from .cli import main
+
+main()

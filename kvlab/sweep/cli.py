@@ -1,0 +1,69 @@
+"""`python -m kvlab sweep`: a sweep file and/or --grid items → points → an engine; bad input is one line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..experiment import DEFAULTS
+from .engines import ENGINES, run_sweep
+from .grid import SWEEPS_DIR, expand, load_sweep, merge_grid_items, point_id, point_label, validate
+from .point import POINT_NOTEBOOK
+
+DESCRIPTION = "Run a grid of experiment points with papermill: one fresh kernel per point, resumable, failures are rows."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    shipped = ", ".join(sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml")))
+    parser = argparse.ArgumentParser(prog="python -m kvlab sweep", description=DESCRIPTION)
+    parser.add_argument("sweep", nargs="?", help=f"sweep YAML (fixed: + grid:), a path or one of: {shipped}")
+    parser.add_argument("--file", help="the same, as an option")
+    parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                        help=f"grid values, repeatable; a single value fixes the key. Keys: {', '.join(DEFAULTS)}")
+    parser.add_argument("--out", help="results folder (default: results/<sweep name>)")
+    parser.add_argument("--notebook", default=None, help=f"point notebook (default: {POINT_NOTEBOOK.name})")
+    parser.add_argument("--kernel", default=None, help="Jupyter kernel name (default: the notebook's)")
+    parser.add_argument("--dry-run", action="store_true", help="validate and list the points, run nothing")
+    parser.add_argument("--force", action="store_true", help="run points predicted not to fit in free memory too")
+    ray = parser.add_argument_group("engine", "where the points run (the results folder is the same for both)")
+    ray.add_argument("--engine", default="local", choices=list(ENGINES),
+                     help="local: one point after the other here (default); ray: a Ray task per point")
+    ray.add_argument("--address", default=None,
+                     help="Ray cluster: auto (the one this node belongs to) or ray://HOST:PORT; default: start one here")
+    ray.add_argument("--num-cpus", type=float, default=None, help="CPUs per point's Ray task (default 1)")
+    ray.add_argument("--num-gpus", type=float, default=None, help="GPUs per point's Ray task (default: 1 for CUDA points, else 0)")
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    args.file = args.file or args.sweep
+    try:
+        if args.engine == "local" and (args.address or args.num_cpus is not None or args.num_gpus is not None):
+            raise ValueError("--address, --num-cpus and --num-gpus are for --engine ray")
+        fixed, grid = load_sweep(args.file) if args.file else ({}, {})
+        fixed, grid = merge_grid_items(fixed, grid, args.grid)
+        if not args.file and not args.grid:
+            raise ValueError("give --file and/or --grid key=v1,v2,...")
+        if args.force:
+            grid.pop("force", None)
+            fixed["force"] = True
+        points = validate(expand(fixed, grid), devices_here=args.engine == "local")
+        name = Path(args.file).stem if args.file else "sweep"
+        out = Path(args.out or Path("results") / name)
+        if args.dry_run:
+            for params in points:
+                print(point_id(params), point_label(params))
+            print(f"{len(points)} points; results would go to {out / 'results.csv'}")
+            return
+        command = " ".join(["python -m kvlab sweep", *(argv if argv is not None else sys.argv[1:])])
+        engine_options = dict(address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
+        run_sweep(points, out, notebook=args.notebook, kernel_name=args.kernel, command=command,
+                  engine=args.engine, **(engine_options if args.engine == "ray" else {}))
+    except ValueError as error:
+        print(f"kvlab sweep: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:  # the rows written so far stay valid: a rerun resumes
+        print(f"kvlab sweep: interrupted; rerun the same command to resume", file=sys.stderr)
+        sys.exit(130)

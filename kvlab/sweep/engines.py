@@ -1,0 +1,87 @@
+"""Running a sweep: the driver (resume, progress bar, one row per point as it ends, provenance) and
+the engines that run the points: `local` (one after the other, here) and `ray` (a Ray task per point).
+
+An engine is a generator: given the points still to run, it yields each point's row as the point ends,
+having put the executed notebook and record into OUT/notebooks/ and OUT/records/. Everything else
+(which points are done, the results file, the provenance log) is the driver's, the same for every engine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import sys
+from pathlib import Path
+
+from .grid import point_id, point_label, points_of, validate
+from .point import POINT_NOTEBOOK, kernel_environment, run_one
+from .store import STATUSES, append_row, done_point_ids, load_results, record_run
+
+
+def local_engine(todo: list[dict], out: Path, notebook: Path, kernel_name: str | None = None, **options):
+    """Each point in turn, in a fresh kernel on this machine."""
+    if options:
+        raise ValueError(f"the local engine takes no {', '.join(sorted(options))}; those are for --engine ray")
+    with kernel_environment(todo):
+        for params in todo:
+            yield run_one(params, out, notebook, kernel_name)
+
+
+def ray_engine(todo, out, notebook, kernel_name=None, **options):
+    from .ray_engine import run_on_ray  # Ray is an optional extra: imported only when asked for
+    return run_on_ray(todo, out, notebook, kernel_name, **options)
+
+
+ENGINES = {"local": local_engine, "ray": ray_engine}
+
+
+def run_sweep(points_or_grid, out, *, fixed: dict | None = None, notebook: str | os.PathLike | None = None,
+              kernel_name: str | None = None, progress: bool = True, command: str | None = None,
+              engine: str = "local", **engine_options):
+    """Run every point not yet done; return the results table (pandas DataFrame) of the whole folder.
+
+    `points_or_grid`: a list of parameter dicts, a grid {key: [values]} (product, on top of `fixed`),
+    or the path / shipped name of a sweep file. Every point is validated before the first one runs.
+    `engine`: "local" (default) or "ray" (options: address, num_cpus, num_gpus; see kvlab.sweep.ray_engine).
+    Each run is logged in OUT/provenance.json with `command` (default: this call, spelled out).
+    """
+    from tqdm.auto import tqdm
+
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+    points = validate(points_of(points_or_grid, fixed), devices_here=engine == "local")
+    notebook = Path(notebook or POINT_NOTEBOOK)
+    if not notebook.exists():
+        raise ValueError(f"point notebook {notebook} not found; pass notebook= (or --notebook)")
+
+    out = Path(out)
+    (out / "notebooks").mkdir(parents=True, exist_ok=True)
+    (out / "records").mkdir(exist_ok=True)
+    results = out / "results.csv"
+    done = done_point_ids(results)
+    todo = [p for p in points if point_id(p) not in done]
+    if progress and len(todo) < len(points):
+        print(f"{len(points) - len(todo)} of {len(points)} points already in {results}; running the other {len(todo)}",
+              file=sys.stderr)
+    counts = dict.fromkeys(STATUSES, 0)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    options = {key: value for key, value in engine_options.items() if value is not None}
+    try:
+        # closing(): an interrupt anywhere in this loop reaches the engine, which stops its running points.
+        with tqdm(total=len(todo), desc=f"sweep {out.name}", unit="point", disable=not progress) as bar, \
+                contextlib.closing(ENGINES[engine](todo, out, notebook, kernel_name, **options)) as rows:
+            for row in rows:  # in the order the points end
+                append_row(results, row)
+                counts[row["status"]] += 1
+                bar.update()
+                bar.set_postfix_str(f"{row['cache']}/{row['loop']} b{row['batch']} p{row['prompt']} n{row['new']}")
+                if row["status"] != "ok":
+                    bar.write(f"{row['status']}: {point_label(row)}: {row['error']}")
+    finally:  # an interrupted run is logged too, with what it managed
+        if any(counts.values()):
+            record_run(out, command or f"kvlab.sweep.run_sweep({points_or_grid!r}, {str(out)!r})", len(points),
+                       counts, started, points[0]["device"], engine=engine, **options)
+    if progress:
+        print(f"{results}: " + ", ".join(f"{n} {status}" for status, n in counts.items()) + " this run", file=sys.stderr)
+    return load_results(results)

@@ -1,0 +1,147 @@
+"""What a sweep runs: grid items and sweep files → points, validated, each with a stable id.
+
+A sweep file (YAML) has `fixed:` parameters shared by every point and `grid:` lists whose product
+gives the points. A grid entry whose values are mappings sets several parameters together, e.g.
+`design: [{cache: tuple, loop: v4.40}, {cache: dynamic, loop: v5}]`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import os
+from pathlib import Path
+
+import yaml
+
+from ..experiment import DEFAULTS, is_true, normalize
+from ..models import parse_value
+
+SWEEPS_DIR = Path(__file__).resolve().parent.parent / "sweeps"
+
+
+def parse_grid_item(item: str) -> tuple[str, list]:
+    """`"new=64,128"` → ("new", [64, 128]); `"overrides=num_hidden_layers=1"` keeps the text after the first `=`."""
+    key, sep, values = item.partition("=")
+    key = key.strip()
+    parts = [part.strip() for part in values.split(",")] if key != "overrides" else [values.strip()]
+    if not sep or not key or not all(parts):
+        raise ValueError(f"grid item {item!r} is not of the form key=v1,v2,...; valid keys: {', '.join(DEFAULTS)}")
+    return key, [parse_value(part) for part in parts]
+
+
+def sweep_file(name: str | os.PathLike) -> Path:
+    """A sweep file's path: an existing path, or the name of one shipped in kvlab/sweeps/."""
+    path = Path(name)
+    if path.exists():
+        return path
+    shipped = SWEEPS_DIR / f"{Path(name).stem}.yaml"
+    if shipped.exists():
+        return shipped
+    choices = ", ".join(sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml")))
+    raise ValueError(f"sweep file {str(name)!r} not found; give a path or one of: {choices}")
+
+
+def load_sweep(path: str | os.PathLike) -> tuple[dict, dict]:
+    """(fixed, grid) from a YAML sweep file."""
+    text = sweep_file(path).read_text()
+    spec = yaml.safe_load(text) or {}
+    if not isinstance(spec, dict) or set(spec) - {"fixed", "grid", "description"}:
+        raise ValueError(f"{path}: a sweep file has the sections fixed, grid (and description)")
+    fixed, grid = spec.get("fixed") or {}, spec.get("grid") or {}
+    if not isinstance(fixed, dict) or not isinstance(grid, dict):
+        raise ValueError(f"{path}: `fixed` and `grid` must be mappings of parameter names")
+    return fixed, {key: values if isinstance(values, list) else [values] for key, values in grid.items()}
+
+
+def merge_grid_items(fixed: dict, grid: dict, items: list[str]) -> tuple[dict, dict]:
+    """Command-line `--grid key=v1,v2` items on top of a sweep file's (fixed, grid): the command line wins, key by key."""
+    fixed, grid = dict(fixed), dict(grid)
+    for item in items:
+        key, values = parse_grid_item(item)
+        fixed.pop(key, None)
+        grid.pop(key, None)
+        for group, values_of_group in grid.items():  # also out of groups like `design: [{cache: ...}]`
+            grid[group] = [{k: v for k, v in value.items() if k != key} if isinstance(value, dict) else value
+                           for value in values_of_group]
+        if len(values) == 1:
+            fixed[key] = values[0]
+        else:
+            grid[key] = values
+    return fixed, grid
+
+
+def expand(fixed: dict | None = None, grid: dict | None = None) -> list[dict]:
+    """The points of a grid: every combination of its values, on top of the fixed parameters."""
+    fixed, grid = dict(fixed or {}), dict(grid or {})
+    for key, values in grid.items():
+        if not values:
+            raise ValueError(f"grid key {key!r} has no values")
+    points = []
+    for combination in itertools.product(*grid.values()):
+        point = dict(fixed)
+        for key, value in zip(grid, combination):
+            if isinstance(value, dict):  # a group of parameters set together, e.g. cache + loop
+                point.update(value)
+            else:
+                point[key] = value
+        points.append(point)
+    return points
+
+
+def points_of(points_or_grid, fixed: dict | None = None) -> list[dict]:
+    """The points of a list of parameter dicts, a grid {key: [values]} (product, on top of `fixed`),
+    or the path / shipped name of a sweep file (its own fixed parameters under `fixed`)."""
+    if isinstance(points_or_grid, (str, os.PathLike)):
+        file_fixed, grid = load_sweep(points_or_grid)
+        return expand({**file_fixed, **(fixed or {})}, grid)
+    if isinstance(points_or_grid, dict):
+        return expand(fixed, points_or_grid)
+    return [{**(fixed or {}), **point} for point in points_or_grid]
+
+
+def validate(points: list[dict], *, devices_here: bool = True) -> list[dict]:
+    """Every point normalized (defaults filled, choices checked) before anything runs, each once.
+
+    `devices_here=False` (the Ray engine): CUDA points run on other machines, so a driver without a GPU
+    checks them on the meta device and keeps `cuda`; normalize's device-dependent defaults follow CUDA.
+    """
+    if not points:
+        raise ValueError("the sweep has no points")
+    checked = []
+    for point in points:
+        try:
+            checked.append(normalize(**point) if devices_here or not _cuda_elsewhere(point)
+                           else _normalize_for_cuda_elsewhere(point))
+        except ValueError as error:
+            raise ValueError(f"point {json.dumps(point)}: {error}") from None
+    return list({point_id(params): params for params in checked}.values())  # a grid may name a point twice
+
+
+def _cuda_elsewhere(point: dict) -> bool:
+    import torch
+    return str(point.get("device", "")).startswith("cuda") and not torch.cuda.is_available()
+
+
+def _normalize_for_cuda_elsewhere(point: dict) -> dict:
+    params = normalize(**{**point, "device": "meta"})
+    # What normalize would have said on CUDA: the allocator counts (no storage tracking), kernels can be timed.
+    tracked = point.get("track_storages", "auto")
+    return dict(params, device=point["device"], track_storages=tracked != "auto" and is_true(tracked),
+                timing=is_true(point.get("timing", DEFAULTS["timing"])))
+
+
+def point_id(params: dict) -> str:
+    """A stable id from the normalized parameters: the same point gets the same id in every rerun."""
+    # `force` changes whether a point runs, not what it measures: a forced rerun replaces a "too-big" row.
+    canonical = json.dumps({key: params[key] for key in DEFAULTS if key != "force"}, sort_keys=True, default=str)
+    return hashlib.sha1(canonical.encode()).hexdigest()[:12]
+
+
+def point_label(params: dict) -> str:
+    """A readable file name for a point's notebook and record."""
+    overrides = "".join(ch if ch.isalnum() else "-" for ch in params["overrides"])
+    parts = [params["preset"].replace("/", "-"), overrides, params["cache"], params["loop"], params["strategy"],
+             f"b{params['batch']}", f"p{params['prompt']}", f"n{params['new']}"]
+    return "_".join(part for part in parts if part) + f"_{point_id(params)}"

@@ -1,0 +1,94 @@
+"""One point of a sweep: the point notebook executed by papermill in a fresh kernel → one results row.
+
+A fresh kernel per point means one point's memory (or crash) never leaks into the next. Both engines
+(local and Ray) run a point through `run_one`; a point that fails is a row with its status and error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import json
+import os
+import time
+from pathlib import Path
+
+from ..predict import TooBig, check_fits
+from .grid import point_id, point_label
+
+PACKAGE_DIR = Path(__file__).resolve().parent.parent
+# The notebook every point runs; named here only (scripts ask: python -c "from kvlab.sweep import POINT_NOTEBOOK").
+POINT_NOTEBOOK = PACKAGE_DIR.parent / "notebooks" / "03_experiment_point.ipynb"
+# The kernel's own log lines (unencrypted TCP, shutdown) would break the progress bar; errors reach the row.
+QUIET_KERNEL = ["--IPKernelApp.log_level=CRITICAL"]
+OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
+
+
+def failure_status(name: str, message: str) -> str:
+    """"oom" for torch.OutOfMemoryError (CUDA) or an allocation the CPU refused, else "failed"."""
+    if name.endswith("OutOfMemoryError") or any(text in message.lower() for text in OOM_MESSAGES):
+        return "oom"
+    return "failed"
+
+
+def new_row(params: dict, notebook: str | None = None) -> dict:
+    """The sweep's own columns of a point's row, before it runs."""
+    started = datetime.datetime.now(datetime.timezone.utc)
+    return dict(params, point_id=point_id(params), started_at=started.isoformat(timespec="seconds"),
+                notebook=notebook)
+
+
+def mark_failed(row: dict, name: str, message: str) -> dict:
+    """A failed point's status ("oom" or "failed") and one-line error, in its row."""
+    message = " ".join(str(message).strip().splitlines())
+    return dict(row, status=failure_status(name, message), error=f"{name}: {message[:500]}")
+
+
+@contextlib.contextmanager
+def kernel_environment(points: list[dict]):
+    """Kernels inherit our environment: put this kvlab first on their path even if it is not installed,
+    and on CPU use one OpenMP thread unless told otherwise: the small CPU models gain nothing from threads,
+    and threads spinning against other processes on a shared machine make each matmul many times slower."""
+    root = str(PACKAGE_DIR.parent)
+    changes = {"PYTHONPATH": root + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")}
+    if all(point["device"] == "cpu" for point in points) and "OMP_NUM_THREADS" not in os.environ:
+        changes["OMP_NUM_THREADS"] = "1"
+    before = {key: os.environ.get(key) for key in changes}
+    os.environ.update(changes)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = None) -> dict:
+    """Execute the point notebook for one point in a fresh kernel; return its results row.
+
+    The executed notebook goes to OUT/notebooks/, the point's record to OUT/records/ (both folders must exist).
+    """
+    import papermill
+
+    label = point_label(params)
+    executed = out / "notebooks" / f"{label}.ipynb"
+    record_path = out / "records" / f"{label}.json"
+    record_path.unlink(missing_ok=True)
+    row = new_row(params, notebook=os.path.relpath(executed, out))
+    clock = time.perf_counter()
+    try:
+        if not params["force"]:
+            check_fits(params)  # refuse before a kernel starts and allocates
+        parameters = dict(params, record_path=str(record_path))
+        papermill.execute_notebook(str(notebook), str(executed), parameters=parameters,
+                                   kernel_name=kernel_name, progress_bar=False, log_output=False,
+                                   cwd=str(PACKAGE_DIR.parent), extra_arguments=QUIET_KERNEL)
+        row.update(json.loads(record_path.read_text()), status="ok", error=None)
+    except TooBig as error:  # refused: no notebook was run
+        row.update(status="too-big", error=str(error), notebook=None)
+    except Exception as error:  # a failed point is a row, not the end of the sweep
+        row = mark_failed(row, getattr(error, "ename", type(error).__name__), getattr(error, "evalue", error))
+    row["elapsed_s"] = round(time.perf_counter() - clock, 2)
+    return row
