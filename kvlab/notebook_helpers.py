@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import pandas as pd
+import seaborn as sns
 import torch
 from matplotlib.ticker import MaxNLocator
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -77,41 +78,54 @@ def step_peaks(reports: dict, step: int) -> pd.Series:
 
 
 # -- figures -----------------------------------------------------------------------------------------
+def set_theme():
+    """One look for every notebook's figures (seaborn's whitegrid, tab10 colours)."""
+    sns.set_theme(style="whitegrid", palette="tab10", context="notebook", font_scale=0.85)
+
+
+def device_label(device: str) -> str:
+    """The one way notebooks name their device: the processor or GPU model, then the torch device."""
+    from .experiment import device_name
+
+    return f"{device_name(device)} ({device})"
+
+
 def plot_timelines(reports: dict, kv_bytes: int | None = None, title: str = "", ncols: int | None = None,
                    ylabel: str = "memory above the weights (MiB)", kv_label: str = "final KV",
-                   xlabel: str = "decoding step (0 = the prompt's forward)"):
-    """One panel per design: live bytes at each step's end and the peak inside the step (MiB).
+                   xlabel: str = "decoding step (0 = the prompt's forward)", multiples=(1, 2)):
+    """One panel per design: live bytes at each step's end and the peak inside the step (MiB), y from zero.
 
-    `kv_bytes` draws reference lines at 1x and 2x that size, labelled `kv_label`.
+    `kv_bytes` draws reference lines at `multiples` of that size, labelled `kv_label` in the legend and
+    drawn over the data, so a line that sits on a reference is seen to do so.
     """
     names = list(reports)
     ncols = ncols or min(len(names), 4)
     nrows = -(-len(names) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 3.0 * nrows), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 3.0 * nrows + 0.6), sharey=True, squeeze=False)
+    styles = {1: ":", 2: "--", 3: "-."}
     for ax, name in zip(axes.flat, names):
         timeline = reports[name].timeline
         steps = [s.step for s in timeline]
         ax.plot(steps, [s.peak_bytes / MIB for s in timeline], color="tab:red", marker=".", markersize=3,
-                linewidth=0.8, label="peak inside the step")
+                linewidth=1.2, label="peak inside the step")
         ax.plot(steps, [s.live_bytes / MIB for s in timeline], color="tab:blue", linewidth=1.6,
                 label="live at the step's end")
-        if kv_bytes:
-            for multiple in (1, 2):
-                ax.axhline(multiple * kv_bytes / MIB, color="grey", linestyle="--", linewidth=0.8)
-                ax.text(steps[-1], multiple * kv_bytes / MIB, f"{multiple}x {kv_label}", ha="right", va="bottom",
-                        color="grey", fontsize=7)
+        for multiple in multiples if kv_bytes else ():
+            ax.axhline(multiple * kv_bytes / MIB, color="black", linestyle=styles.get(multiple, ":"), linewidth=1,
+                       zorder=4, label=f"{multiple}x {kv_label}")
         ax.set_title(name, fontsize=10)
         ax.set_xlabel(xlabel)
+        ax.set_ylim(bottom=0)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-        ax.grid(alpha=0.3)
     for ax in axes[:, 0]:
         ax.set_ylabel(ylabel)
     for ax in list(axes.flat)[len(names):]:
         ax.set_visible(False)
-    axes.flat[0].legend(fontsize=7, loc="best")
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
     if title:
         fig.suptitle(title, fontsize=11)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
     return fig
 
 
@@ -129,7 +143,6 @@ def plot_at_peak(reports: dict, title: str = "", include_weights: bool = False):
     ax.set_xlabel("bytes live at the peak (MiB)" + ("" if include_weights else ", weights excluded"))
     ax.set_ylabel("cache / loop")
     ax.legend(loc="lower right", fontsize=8)
-    ax.grid(axis="x", alpha=0.3)
     if title:
         ax.set_title(title, fontsize=10)
     fig.tight_layout()

@@ -1,0 +1,92 @@
+"""Colab, emulated: every notebook runs from its setup cell in a fresh environment that has only what Colab
+ships and kvlab relies on (torch, ipykernel, git), with a fake `google.colab` imported at kernel start.
+
+The setup cell must clone the repository (pointed here at this checkout's committed state through
+KVLAB_REPOSITORY), install kvlab and its runtime dependencies without touching torch or pulling JupyterLab,
+and move into notebooks/ so that ../data resolves. Each notebook then runs with tiny=True. A few minutes:
+installing torch and kvlab's dependencies into the fresh environment dominates.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from kvlab.colab import SETUP_TAG
+from kvlab.notebooks import declared_parameters
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+# Colab's kernel has google.colab imported before the first cell; this one does the same.
+KERNEL_START = "import google.colab; from ipykernel.kernelapp import launch_new_instance; launch_new_instance()"
+
+
+def run(*command, cwd=None):
+    """A command in the fresh environment, away from this checkout (whose kvlab/ would shadow the installed one)."""
+    return subprocess.run([str(c) for c in command], check=True, capture_output=True, text=True,
+                          cwd=cwd or Path(command[0]).parent)
+
+
+@pytest.fixture(scope="module")
+def colab(tmp_path_factory):
+    if shutil.which("git") is None or not (ROOT / ".git").exists():
+        pytest.skip("needs git and a git checkout (the setup cell clones the repository)")
+    base = tmp_path_factory.mktemp("colab")
+    venv = base / "venv"
+    run(sys.executable, "-m", "venv", venv)
+    python = venv / "bin" / "python"
+    # What Colab ships that kvlab relies on; the same torch release as the project's (pip's cache, or a local wheel).
+    from importlib.metadata import version
+    run(python, "-m", "pip", "install", "--quiet", f"torch=={version('torch')}", "ipykernel")
+    torch_before = run(python, "-c", "import torch, os; print(torch.__version__, os.path.getmtime(torch.__file__))").stdout
+
+    fake = base / "fake"
+    (fake / "google" / "colab").mkdir(parents=True)
+    (fake / "google" / "__init__.py").write_text("")
+    (fake / "google" / "colab" / "__init__.py").write_text('"""Stands in for Colab\'s module in tests/test_colab.py."""\n')
+    kernel_dir = base / "jupyter" / "kernels" / "colab"
+    kernel_dir.mkdir(parents=True)
+    (kernel_dir / "kernel.json").write_text(json.dumps({
+        "argv": [str(python), "-c", KERNEL_START, "-f", "{connection_file}"], "display_name": "Colab (emulated)",
+        "language": "python", "env": {"PYTHONPATH": str(fake)}}))
+    content = base / "content"   # Colab's working directory
+    content.mkdir()
+    yield dict(python=python, content=content, jupyter=base / "jupyter", torch_before=torch_before)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.stem for p in NOTEBOOKS])
+def test_notebook_runs_in_emulated_colab(path, colab, monkeypatch):
+    papermill = pytest.importorskip("papermill")
+    monkeypatch.setenv("KVLAB_REPOSITORY", f"file://{ROOT}")
+    monkeypatch.setenv("JUPYTER_PATH", str(colab["jupyter"]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("PYTHONPATH", raising=False)   # nothing of this checkout on the kernel's path
+    nb = nbformat.read(path, as_version=4)
+    assert nb.cells[[i for i, c in enumerate(nb.cells) if c.cell_type == "code"][0]].metadata.get("tags") == [
+        SETUP_TAG], f"{path.name}: the Colab setup cell must be the first code cell"
+    parameters = {"tiny": True} if "tiny" in declared_parameters(nb) else {}
+    output = colab["content"] / f"executed-{path.name}"
+    papermill.execute_notebook(str(path), str(output), parameters=parameters, kernel_name="colab",
+                               cwd=str(colab["content"]), progress_bar=False, log_output=False,
+                               extra_arguments=["--IPKernelApp.log_level=CRITICAL"])
+    executed = nbformat.read(output, as_version=4)
+    errors = [o for c in executed.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, f"{path.name}: {errors[0].get('ename')}: {errors[0].get('evalue')}"
+
+    python = colab["python"]
+    where = run(python, "-c", "import kvlab; print(kvlab.__file__)").stdout
+    assert str(python.parent.parent) in where, f"kvlab was not installed into the environment: {where}"
+    assert (colab["content"] / "kvlab" / "data").is_dir(), "the setup cell did not fetch the repository's data"
+    assert run(python, "-c", "import torch, os; print(torch.__version__, os.path.getmtime(torch.__file__))"
+               ).stdout == colab["torch_before"], "the setup cell reinstalled Colab's torch"
+    lab = subprocess.run([str(python), "-m", "pip", "show", "--quiet", "jupyterlab"], capture_output=True)
+    assert lab.returncode != 0, "the setup cell installed JupyterLab, which no notebook needs at runtime"
