@@ -1,4 +1,4 @@
-"""Command line: `python -m kvlab {measure,compare,predict,sweep}`.
+"""Command line: `python -m kvlab {measure,compare,predict,sweep,plan}`.
 
 Bad input exits with status 2 and one line naming the valid choices, before any model is built; so does a
 point whose predicted peak exceeds the free memory of its device (unless --force).
@@ -77,6 +77,11 @@ def cmd_sweep(args) -> None:
     sweep_main(args.rest)
 
 
+def cmd_plan(args) -> None:
+    from .plan import main as plan_main
+    plan_main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvlab", description="Where the memory of generate() goes.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -110,13 +115,18 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = sub.add_parser("sweep", help="run a grid of points with papermill, one fresh kernel each", add_help=False)
     sweep.add_argument("rest", nargs=argparse.REMAINDER)
     sweep.set_defaults(func=cmd_sweep)
+
+    plan = sub.add_parser("plan", help="a budgeted run of jobs in parallel lanes from a plan file (e.g. h200)",
+                          add_help=False)
+    plan.add_argument("rest", nargs=argparse.REMAINDER)
+    plan.set_defaults(func=cmd_plan)
     return parser
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["sweep"]:  # argparse's REMAINDER cannot start with an option: hand over directly
-        args = argparse.Namespace(command="sweep", rest=argv[1:], func=cmd_sweep)
+    if argv[:1] in (["sweep"], ["plan"]):  # argparse's REMAINDER cannot start with an option: hand over directly
+        args = argparse.Namespace(command=argv[0], rest=argv[1:], func=cmd_sweep if argv[0] == "sweep" else cmd_plan)
     else:
         args = build_parser().parse_args(argv)
     try:
