@@ -37,7 +37,7 @@ REFERENCES = {("tuple", "v4.40"): ("4.40.1", None), ("dynamic", "v4.42"): ("4.42
               ("dynamic", "v5"): ("installed", None), ("static", "v5"): ("installed", "static")}
 KINDS = ("kvlab", "reference")
 
-DEFAULTS = dict(kind="kvlab", preset="toy", overrides="", cache="dynamic", loop="v5", strategy="greedy", batch=8,
+DEFAULTS = dict(kind="kvlab", runtime="eager", preset="toy", overrides="", cache="dynamic", loop="v5", strategy="greedy", batch=8,
                 prompt=64, new=512, restart_new=0, num_beams=4, device="auto", dtype="float32", seed=0,
                 chunk_limit=50, block_tokens=32, track_storages="auto", timing=True, force=False)
 
@@ -93,6 +93,7 @@ def normalize(**params) -> dict:
     check_choice("strategy", p["strategy"], STRATEGIES)
     if p["kind"] == "reference":
         _check_reference(p)
+    _check_runtime(p, given=params)
     for key in ("batch", "prompt", "new", "num_beams", "chunk_limit", "block_tokens"):
         p[key] = int(p[key])
         if p[key] < 1:
@@ -114,6 +115,20 @@ def normalize(**params) -> dict:
     # Skip the check that refuses a point predicted not to fit in the free memory of its device.
     p["force"] = is_true(p["force"])
     return p
+
+
+def _check_runtime(p: dict, given: dict) -> None:
+    """A graph runtime (kvlab.graphs) carries one cache design; it is the default when none is given."""
+    from .graphs import RUNTIMES, check_runtime
+    check_choice("runtime", p["runtime"], RUNTIMES)
+    if p["runtime"] == "eager":
+        return
+    if given.get("cache") is None:
+        p["cache"] = RUNTIMES[p["runtime"]][0]
+    check_runtime(p["runtime"], p["cache"], p["loop"], p["strategy"])
+    if p["kind"] != "kvlab" or int(p["restart_new"]) or resolve_device(p["device"]).startswith("meta"):
+        raise ValueError(f"runtime {p['runtime']!r} measures kvlab's own decode (kind kvlab), on cpu or cuda, "
+                         "without a restart")
 
 
 def _check_reference(p: dict) -> None:
@@ -152,21 +167,27 @@ def measure(model=None, **params):
                                                       max_cache_len=p["prompt"] + p["new"] + p["restart_new"] - 1))
     if p["strategy"] == "sample":
         options.update(temperature=0.7, top_k=50, top_p=0.9)
+    graphs = None
+    if p["runtime"] != "eager":  # trace or export before the meter starts (its time is recorded apart)
+        from .graphs import build_graphs
+        graphs = build_graphs(model, prompt, p["new"], p["runtime"])
     gc.collect()
-    meter = MemoryMeter(p["device"], model, track_storages=p["track_storages"])
+    meter = _meter(p, model)
     with meter:
-        metered_seconds = _decode(model, prompt, p, options, meter)
+        metered_seconds = _decode(model, prompt, p, options, meter, graphs)
     report = meter.report()
     seconds = None
     if p["timing"]:
-        # The live-storage counter runs Python at every op and slows designs unequally: time a run
-        # without it. The CUDA allocator's counters cost nothing, so there the measured run is the timed one.
-        seconds = _decode(model, prompt, p, options, None) if meter.counter is not None else metered_seconds
+        # The live-storage counter and the profiler run Python at every op and slow designs unequally: time a
+        # run without them. The CUDA allocator's counters cost nothing: there the measured run is the timed one.
+        seconds = metered_seconds if report.method == "cuda-allocator" else _decode(model, prompt, p, options, None,
+                                                                                      graphs)
     at_peak = report.at_peak if p["track_storages"] else {}
     measured = dict(meter=report.method, baseline_bytes=report.baseline_bytes, peak_bytes=report.peak_bytes,
                     overhead_bytes=report.overhead_bytes, reserved_peak_bytes=report.reserved_peak_bytes,
                     storages_peak_bytes=report.storages_peak_bytes, kv_at_peak_bytes=at_peak.get("kv"),
-                    logits_at_peak_bytes=at_peak.get("logits"), other_at_peak_bytes=at_peak.get("other"))
+                    logits_at_peak_bytes=at_peak.get("logits"), other_at_peak_bytes=at_peak.get("other"),
+                    graph_build_seconds=round(graphs.build_seconds, 3) if graphs else None)
     return _record(p, config, measured, seconds, provenance(p["device"])), report
 
 
@@ -178,6 +199,7 @@ def _record(p: dict, config, measured: dict, seconds: float | None, origin: dict
     overhead = measured["overhead_bytes"]
     return dict(
         preset=p["preset"], overrides=p["overrides"], cache=p["cache"], loop=p["loop"], kind=p["kind"],
+        runtime=p["runtime"],
         strategy=p["strategy"], batch=p["batch"], prompt=p["prompt"], new=p["new"],
         restart_new=p["restart_new"], num_beams=p["num_beams"] if p["strategy"] == "beam" else 1,
         device=p["device"], dtype=p["dtype"], meter=measured["meter"],
@@ -192,6 +214,7 @@ def _record(p: dict, config, measured: dict, seconds: float | None, origin: dict
         other_at_peak_bytes=measured.get("other_at_peak_bytes"),
         seconds=round(seconds, 4) if seconds else None,
         tokens_per_s=round(p["batch"] * (p["new"] + p["restart_new"]) / seconds, 2) if seconds else None,
+        graph_build_seconds=measured.get("graph_build_seconds"),
         **origin,
     )
 
@@ -208,8 +231,20 @@ def _measure_reference(p: dict) -> dict:
     return _record(p, load_config(p["preset"], p["overrides"]), real, None, origin)
 
 
-def _decode(model, prompt, p, options, meter) -> float:
+def _meter(p: dict, model):
+    """The live-storage counter (or the CUDA allocator); for a graph runtime, the meter that sees inside it."""
+    from .graphs import GRAPH_RUNTIMES
+    if p["runtime"] in GRAPH_RUNTIMES:
+        from .graph_meter import graph_meter
+        return graph_meter(p["device"], model)
+    return MemoryMeter(p["device"], model, track_storages=p["track_storages"])
+
+
+def _decode(model, prompt, p, options, meter, graphs=None) -> float:
     """One run of the point (a restart included); returns the seconds spent decoding."""
+    if p["runtime"] != "eager":
+        from .graphs import generate_graph
+        return generate_graph(model, prompt, p["new"], p["runtime"], graphs, meter=meter).seconds
     first = generate(model, prompt, p["new"], meter=meter, **options)
     seconds = first.seconds
     if p["restart_new"]:

@@ -17,7 +17,7 @@ from .decode import LOOPS
 from .models import element_size, head_dim, kv_bytes_per_token
 
 POINT_KEYS = ("cache", "loop", "strategy", "batch", "prompt", "new", "restart_new", "num_beams", "dtype",
-              "chunk_limit", "block_tokens")
+              "chunk_limit", "block_tokens", "runtime")
 INT64 = 8
 FP32 = 4
 
@@ -63,9 +63,16 @@ def _steps(prompt, new, restart_new):
 
 
 def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, prompt=64, new=512,
-                restart_new=0, num_beams=4, dtype="float32", chunk_limit=50, block_tokens=32):
-    """Every phase's bytes above the weights; returns (peak, the phase that makes it, its terms, final KV)."""
+                restart_new=0, num_beams=4, dtype="float32", chunk_limit=50, block_tokens=32, runtime="eager"):
+    """Every phase's bytes above the weights; returns (peak, the phase that makes it, its terms, final KV).
+
+    `runtime` (kvlab.graphs): jit-trace is the tuple design under v5's loop (the caller holds the old
+    tuple while the graph builds the new one); convert is the dynamic design plus the old tuple the
+    caller holds while the copied cache object grows; export has phases of its own (`_exported_peak`).
+    """
     s = Shape(config, batch, dtype, strategy, num_beams)
+    if runtime == "export":
+        return _exported_peak(s, prompt, new)
     release = LOOPS[loop]
     tuple_cache, keeps_outputs = cache == "tuple", release.keeps_previous_outputs
     max_len = prompt + new + restart_new
@@ -98,7 +105,7 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
             persistent["tuple the caller still holds (restart)"] = s.kv(held_after_first)
         if tuple_cache and keeps_outputs and strategy == "beam" and before > 0:
             persistent["un-reordered tuple held by outputs (beam, v4.40)"] = s.kv(before)
-        old_tuple = s.kv(before) if tuple_cache else 0
+        old_tuple = s.kv(before) if tuple_cache or runtime == "convert" else 0
         held_after = _held(s, cache, after, capacity_of, static_len)
         # Alive in the last layer: the embeddings, the residual stream, the normed input, q, k, v and the
         # rotary cos/sin (one row per sequence, from the position ids). The model keeps `inputs_embeds`
@@ -160,6 +167,38 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
                 best = (total, f"step {index} ({'restart ' if call else ''}{name})", terms)
         prev_logits = s.rows * fed * s.vocab * FP32 if keeps_outputs else 0
     return best[0], best[1], best[2], s.kv(max_len)
+
+
+def _exported_peak(s: Shape, prompt: int, new: int):
+    """transformers' exported static-cache program (kvlab.graphs, runtime export), greedy, one program for
+    the prompt and every step. Its buffers (prompt + new - 1 tokens) are written in place. The program is
+    an FX graph that frees each intermediate after its last use (the embeddings too, unlike the eager
+    forward); it returns every fed position's logits, and with a static cache the attention gets a mask,
+    so grouped-query models run SDPA on repeat_kv copies of the whole buffer."""
+    held, static_len = s.kv(prompt + new - 1), prompt + new - 1
+    groups = s.heads // s.kv_heads
+    copies = 2 * groups * s.t * static_len if groups > 1 else 0
+    best = (-1, None, None)
+    last = prompt + new - 1
+    for index, fed, length in ((0, prompt, prompt), (new - 1, 1, last)):
+        base = {"static cache buffers": held, "tokens (int64)": s.rows * length * INT64}
+        if index:
+            base["previous step's next-token logits (fp32)"] = s.rows * s.vocab * FP32
+        residual = s.rows * fed * s.hidden * s.e
+        phases = {
+            "attention": {"repeat_kv copies of one layer (masked SDPA)": copies,
+                          "residual stream, q, k and v": residual + s.rows * fed * (s.heads + 2 * s.kv_heads)
+                          * s.head_dim * s.e},
+            "mlp": {"gate, up and their product": 3 * s.rows * fed * s.intermediate * s.e,
+                    "residual stream": residual},
+            "lm_head": {"logits of every fed position": s.rows * fed * s.vocab * s.e, "final hidden states": residual},
+        }
+        for name, terms in phases.items():
+            terms = {**base, **terms}
+            total = sum(terms.values())
+            if total > best[0]:
+                best = (total, f"step {index} ({name})", terms)
+    return best[0], best[1], best[2], s.kv(prompt + new)
 
 
 def predict_overhead(config, **point) -> int:

@@ -1,0 +1,233 @@
+"""Decoding through a graph: how the KV cache crosses the boundary of a traced or exported decoder.
+
+transformers issue #31962 asked to keep tuple caches because `torch.jit.trace` (and optimum-intel/IPEX
+on top of it) accepts only tensors, tuples and dicts as inputs. transformers 5.x has no tuple path at
+all; the supported route to a graph is `torch.export` with a static cache. The runtimes here:
+
+- jit-trace: the decoder traced with `torch.jit.trace` through `TupleStep`, a wrapper that takes and
+             returns the cache as flat tuples of tensors (what tracing users did). The caller holds the
+             old tuple while the graph builds the new one: the <= 4.41 pattern, ~2 x KV.
+- convert:   eager decoding that builds a `DynamicCache` from tuples before every forward and goes back
+             to tuples after it (the maintainers' answer in #31962). In 5.x building the object copies
+             the whole cache (`DynamicLayer.update` concatenates onto an empty tensor); going back
+             returns views.
+- export:    `torch.export` of transformers' own `TorchExportableModuleWithStaticCache`
+             (transformers.integrations.executorch): the static cache is a set of buffers of the
+             program, updated in place (`index_copy_`), one program for the prompt and every step.
+- eager:     kvlab's own loop (kvlab.decode) with any cache design, `dynamic` and `prealloc` as references.
+
+Every runtime decodes greedily as transformers 5.x's `generate()` does and gives its exact tokens.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import DynamicCache
+
+from .caches import TupleRoundTripCache, num_layers
+from .compat import cache_argument
+from .decode import Generation
+
+# runtime -> the cache designs it can carry (the first is its default).
+RUNTIMES = {
+    "eager": ("dynamic", "tuple", "list", "static", "prealloc"),
+    "jit-trace": ("tuple",),
+    "convert": ("dynamic",),
+    "export": ("static",),
+}
+# The runtimes whose inside the live-storage counter cannot see (TorchScript runs its ops in C++; an
+# exported program is measured the same way so the two graphs share one meter).
+GRAPH_RUNTIMES = ("jit-trace", "export")
+
+
+def check_runtime(runtime: str, cache: str | None = None, loop: str = "v5", strategy: str = "greedy") -> None:
+    """Refuse a runtime that does not exist or cannot carry this cache, loop or strategy; one line each."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"unknown runtime {runtime!r}; choose one of: {', '.join(RUNTIMES)}")
+    if runtime == "eager":
+        return
+    designs = RUNTIMES[runtime]
+    if cache is not None and cache not in designs:
+        why = {"jit-trace": "torch.jit.trace passes only tensors and tuples across the graph boundary",
+               "convert": "it converts tuples to transformers' DynamicCache and back",
+               "export": "torch.export needs a cache whose buffers exist before the graph runs"}[runtime]
+        raise ValueError(f"runtime {runtime!r} cannot carry the {cache!r} cache ({why}); use cache={designs[0]!r}, "
+                         f"or runtime 'eager' for {cache!r}")
+    if loop != "v5":
+        raise ValueError(f"runtime {runtime!r} runs transformers 5.x's loop only; use loop='v5'")
+    if strategy != "greedy":
+        raise ValueError(f"runtime {runtime!r} decodes greedily only; use strategy='greedy'")
+
+
+class TupleStep(torch.nn.Module):
+    """One forward with the cache as flat tensors: (input_ids, position_ids, k0, v0, k1, v1, ...) ->
+    (next-token logits, new k0, v0, ...). Only tensors cross, so `torch.jit.trace` accepts it; the cache
+    object inside wraps the given tensors without copying (as <= 4.41 did)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+        self.layers = num_layers(model)
+        self.argument = cache_argument(model)
+
+    def forward(self, input_ids, position_ids, *flat_cache):
+        pairs = [(flat_cache[i], flat_cache[i + 1]) for i in range(0, len(flat_cache), 2)]
+        cache = TupleRoundTripCache.from_tuples(pairs, self.layers)
+        outputs = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=1,
+                             **{self.argument: cache})
+        return (outputs.logits[:, -1, :],) + tuple(t for layer in cache.layers for t in (layer.keys, layer.values))
+
+
+@dataclass
+class Graphs:
+    """What a runtime built before decoding, and how long building it took (not part of any decode)."""
+
+    runtime: str
+    prefill: object = None  # jit-trace: the prompt's graph (no cache in); export: the one program
+    decode: object = None  # jit-trace: a step's graph (cache in, cache out)
+    build_seconds: float = 0.0
+    max_cache_len: int = 0
+
+
+def _positions(rows: int, start: int, stop: int, device) -> torch.Tensor:
+    return torch.arange(start, stop, device=device).expand(rows, -1)
+
+
+def build_graphs(model, input_ids: torch.Tensor, new_tokens: int, runtime: str, trace: bool = True) -> Graphs:
+    """Trace or export `model` for decoding `new_tokens` after `input_ids` (their shapes, not values).
+
+    `trace=False` (jit-trace only) keeps the untraced `TupleStep`: the same ops run eagerly, which the
+    live-storage counter can see; tests set the two side by side.
+    """
+    check_runtime(runtime)
+    if runtime in ("eager", "convert"):
+        return Graphs(runtime)
+    start = time.perf_counter()
+    rows, prompt = input_ids.shape
+    device = input_ids.device
+    graphs = Graphs(runtime, max_cache_len=prompt + new_tokens - 1)
+    with warnings.catch_warnings():
+        # Tracing warns at every Python branch on a tensor's value or shape it freezes (the mask
+        # shortcuts); which branches are taken is pinned by the token tests at other lengths.
+        warnings.simplefilter("ignore")
+        if runtime == "jit-trace":
+            step = TupleStep(model).eval()
+            if not trace:
+                graphs.prefill = graphs.decode = step
+            else:
+                with torch.no_grad():
+                    graphs.prefill = torch.jit.trace(step, (input_ids, _positions(rows, 0, prompt, device)),
+                                                     check_trace=False)
+                    out = graphs.prefill(input_ids, _positions(rows, 0, prompt, device))
+                    next_ids = out[0].argmax(-1, keepdim=True)
+                    graphs.decode = torch.jit.trace(
+                        step, (next_ids, _positions(rows, prompt, prompt + 1, device), *out[1:]), check_trace=False)
+                    del out
+        else:
+            graphs.prefill = _export(model, input_ids, graphs.max_cache_len)
+    graphs.build_seconds = time.perf_counter() - start
+    return graphs
+
+
+def _export(model, input_ids, max_cache_len):
+    """transformers' exportable static-cache module, exported once with a dynamic sequence length so
+    one program runs the prompt and every step."""
+    from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+    config = model.generation_config
+    before = config.cache_implementation
+    config.cache_implementation = "static"  # the wrapper refuses any other
+    try:
+        wrapper = TorchExportableModuleWithStaticCache(model, batch_size=input_ids.shape[0],
+                                                       max_cache_len=max_cache_len, device=input_ids.device)
+    finally:
+        config.cache_implementation = before
+    length = torch.export.Dim("tokens", min=1, max=max_cache_len)
+    with torch.no_grad():
+        program = torch.export.export(
+            wrapper, args=(), kwargs=dict(input_ids=input_ids, cache_position=torch.arange(
+                input_ids.shape[1], device=input_ids.device)),
+            dynamic_shapes=dict(input_ids={1: length}, cache_position={0: length}), strict=False)
+    return program.module()
+
+
+def cache_buffers(module) -> list[tuple[str, torch.Tensor]]:
+    """The exported program's cache state: keys, values and each layer's length counter."""
+    return [(name, buffer) for name, buffer in module.named_buffers()
+            if name.split(".")[-1].startswith(("key_cache_", "value_cache_", "cumulative_length_"))]
+
+
+def _fresh_cache_buffers(module) -> list[torch.Tensor]:
+    """Allocate the program's cache buffers anew (zeroed), as a runtime does when it loads the program:
+    inside the caller's meter, so the overhead includes the preallocation."""
+    fresh = []
+    for name, buffer in cache_buffers(module):
+        owner, _, attribute = name.rpartition(".")
+        tensor = torch.zeros_like(buffer)
+        (module.get_submodule(owner) if owner else module).register_buffer(attribute, tensor, persistent=False)
+        fresh.append(tensor)
+    return fresh
+
+
+def generate_graph(model, input_ids: torch.Tensor, new_tokens: int, runtime: str, graphs: Graphs | None = None,
+                   meter=None) -> Generation:
+    """Greedy decoding of `new_tokens` tokens through `runtime` (not `eager`: see kvlab.decode).
+
+    As 5.x's `generate()` loop: the next-token logits are an fp32 copy held until the next step's
+    forward returns. `graphs` from `build_graphs` (built here, unmetered, if not given).
+    """
+    check_runtime(runtime)
+    if runtime == "eager":
+        raise ValueError("runtime 'eager' decodes with kvlab.decode.generate")
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens must be positive, got {new_tokens}")
+    if graphs is None:
+        graphs = build_graphs(model, input_ids, new_tokens, runtime)
+    rows, prompt = input_ids.shape
+    device = input_ids.device
+    tokens = input_ids
+    flat, past = (), None
+    if runtime == "export":
+        kv = _fresh_cache_buffers(graphs.prefill)
+        if meter is not None:
+            meter.label(kv, "kv")
+    start = time.perf_counter()
+    with torch.no_grad():
+        for step in range(new_tokens):
+            fed = tokens[:, -1:] if step else tokens
+            cached = tokens.shape[1] - fed.shape[1]
+            positions = _positions(rows, cached, tokens.shape[1], device)
+            if runtime == "jit-trace":
+                graph = graphs.decode if step else graphs.prefill
+                out = graph(fed, positions, *flat)  # the old tuple is alive until this returns
+                next_logits = out[0].to(copy=True, dtype=torch.float32)
+                flat = out[1:]  # the old tuple dies here
+                del out
+                kv = flat
+            elif runtime == "convert":
+                # The maintainers' suggestion: tuples -> cache object -> forward -> tuples. 5.x's
+                # DynamicCache copies the tuples it is given, while the caller still holds them.
+                cache = DynamicCache(ddp_cache_data=past) if past else DynamicCache()
+                outputs = model(input_ids=fed, position_ids=positions, use_cache=True, logits_to_keep=1,
+                                **{cache_argument(model): cache})
+                next_logits = outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32)
+                past = tuple((layer.keys, layer.values) for layer in cache.layers)  # views: no copy
+                del cache, outputs
+                kv = past
+            else:
+                logits = graphs.prefill(input_ids=fed, cache_position=torch.arange(cached, tokens.shape[1],
+                                                                                    device=device))
+                next_logits = logits[:, -1, :].to(copy=True, dtype=torch.float32)
+                del logits
+            del positions
+            tokens = torch.cat([tokens, next_logits.argmax(dim=-1, keepdim=True)], dim=-1)
+            if meter is not None:
+                meter.label(kv, "kv")
+                meter.step()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    return Generation(tokens, kv, seconds)
