@@ -1,8 +1,8 @@
 """The figures: the PR's benchmark plots redrawn from a results table, and the main job's bars.
 
 Each function takes the table `kvlab.sweep.load_results` returns (one row per point) and returns a
-Figure or a DataFrame. Measurements are solid lines, `kvlab.theory`'s prediction dashed in the same
-colour, and the final KV cache (1x and 2x) in grey: the tuple cache of v4.40 should sit on 2x, the
+Figure or a DataFrame. Measurements are solid lines, `kvlab.theory`'s prediction thin black dashes over them,
+and the final KV cache (1x and 2x) in grey: the tuple cache of v4.40 should sit on 2x, the
 one-object designs near 1x.
 """
 
@@ -80,22 +80,21 @@ def unit_of(values) -> tuple[int, str]:
 def _title(rows: pd.DataFrame, vary: str) -> str:
     first = rows.iloc[0]
     fixed = ", ".join(f"{AXIS_NAMES[size].split(' (')[0]} {first[size]}" for size in SIZES if size != vary)
-    return f"{first['preset']} {first['dtype']} on {first['device']}: {fixed}"
+    return f"Peak above the weights against {AXIS_NAMES[vary]}: {first['preset']} {first['dtype']} on {first['device']}, {fixed}"
 
 
-def overhead_figure(df: pd.DataFrame, vary: str = "new"):
-    """Peak memory above the weights against one size, for every design: measured and predicted."""
+def overhead_figure(df: pd.DataFrame, vary: str = "new", title: str = ""):
+    """Peak memory above the weights against one size, for every design: measured (solid, markers) and
+    predicted by kvlab.theory (dashed, drawn over the data), with 1x and 2x the final KV in black. Both axes
+    start at zero, so twice the memory looks twice as high."""
     rows = series(measured(df), vary)
     presets = list(dict.fromkeys(rows["preset"]))
     scale, unit = unit_of(pd.concat([rows["overhead_bytes"], 2 * rows["kv_final_bytes"]]))
     designs = [d for d in DESIGNS if d in set(rows["design"])] + sorted(set(rows["design"]) - set(DESIGNS))
     colours = dict(zip(designs, sns.color_palette("tab10", len(designs))))
-    fig, axes = plt.subplots(1, len(presets), figsize=(6.5 * len(presets), 4.5), squeeze=False)
+    fig, axes = plt.subplots(1, len(presets), figsize=(6.5 * len(presets) + 2, 4.5), squeeze=False)
     for ax, preset in zip(axes[0], presets):
         part = rows[rows["preset"] == preset]
-        kv = part.groupby(vary)["kv_final_bytes"].first() / scale
-        for multiple, style in ((1, ":"), (2, "-.")):
-            ax.plot(kv.index, multiple * kv.values, style, color="grey", linewidth=1, label=f"{multiple} x final KV")
         for design in designs:
             line = part[part["design"] == design]
             if line.empty:
@@ -104,13 +103,21 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new"):
             ax.plot(line[vary], line["overhead_bytes"] / scale, "-", marker=MARKERS[designs.index(design) % len(MARKERS)],
                     markersize=10 - designs.index(design), fillstyle="none", markeredgewidth=1.5,
                     color=colours[design], label=design)
-            if line["predicted_overhead_bytes"].fillna(0).gt(0).any():
-                ax.plot(line[vary], line["predicted_overhead_bytes"] / scale, "--", color=colours[design], alpha=0.7)
+        for design in designs:  # the prediction over the measurements, so a hidden line cannot hide a miss
+            line = part[part["design"] == design]
+            if not line.empty and line["predicted_overhead_bytes"].fillna(0).gt(0).any():
+                ax.plot(line[vary], line["predicted_overhead_bytes"] / scale, "--", color="black",
+                        linewidth=0.8, zorder=4)
+        kv = part.groupby(vary)["kv_final_bytes"].first() / scale
+        for multiple, style in ((1, ":"), (2, "-.")):
+            ax.plot(kv.index, multiple * kv.values, style, color="grey", linewidth=1.5, zorder=5,
+                    label=f"{multiple} x final KV")
+        ax.set_xlim(left=0)
+        ax.set_ylim(bottom=0)
         ax.set_xlabel(AXIS_NAMES[vary])
         ax.set_ylabel(f"peak memory above the weights ({unit})")
-        ax.set_title(_title(part, vary), fontsize=10)
-        ax.grid(alpha=0.3)
-    axes[0][-1].plot([], [], "--", color="black", alpha=0.7, label="kvlab.theory (dashed)")
+        ax.set_title(title or _title(part, vary), fontsize=10)
+    axes[0][-1].plot([], [], "--", color="black", linewidth=0.8, label="kvlab.theory, per design")
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     return fig
@@ -136,27 +143,42 @@ def improvement_table(df: pd.DataFrame, vary: str = "new") -> pd.DataFrame:
     return table.round({"measured": 3, "minimal": 3, "maximal": 3})
 
 
-def improvement_figure(df: pd.DataFrame, sizes=SIZES):
-    """One panel per size: measured v4.40 / v4.42 ratio between the PR's bounds."""
+# PR #30536's own factors (seed 000; RTX 4090, batch 1, prompt 300): drawn beside ours, never computed.
+PR_FACTORS = {"maximal": 2.0, "minimal, Llama-2-7B": 1.62, "minimal, Mistral-7B": 1.22}
+
+
+def improvement_figure(df: pd.DataFrame, sizes=SIZES, title: str = ""):
+    """One panel per size: the measured v4.40 / v4.42 ratio, kvlab.theory's bounds for the same model and
+    the PR's own factors (grey, as the PR states them), on a ratio axis from 1 (no saving)."""
     tables = {}
     for vary in sizes:
         try:
             tables[vary] = improvement_table(df, vary)
         except ValueError:  # this table has no such series
             continue
-    fig, axes = plt.subplots(1, len(tables), figsize=(4.5 * len(tables), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(tables), figsize=(4.5 * len(tables), 4.2), squeeze=False, sharey=True)
     for ax, (vary, table) in zip(axes[0], tables.items()):
+        for value, style in zip(PR_FACTORS.values(), ("-", "-.", ":")):
+            ax.axhline(value, color="grey", linestyle=style, linewidth=1.2)
         for preset, part in table.groupby("preset", sort=False):
             label = f" ({preset})" if table["preset"].nunique() > 1 else ""
-            ax.plot(part[vary], part["measured"], "o-", label=f"measured{label}")
-            ax.plot(part[vary], part["maximal"], "--", color="tab:green", label=f"maximal factor{label}")
-            ax.plot(part[vary], part["minimal"], "--", color="tab:red", label=f"minimal factor{label}")
-        ax.axhline(1, color="grey", linewidth=1)
+            ax.plot(part[vary], part["maximal"], "--", color="tab:green", label=f"kvlab.theory maximal{label}")
+            ax.plot(part[vary], part["minimal"], "--", color="tab:red", label=f"kvlab.theory minimal{label}")
+            ax.plot(part[vary], part["measured"], "o-", color="tab:blue", zorder=4, label=f"measured{label}")
+        ax.set_ylim(1, 2.1)
+        ax.set_xlim(left=0)
         ax.set_xlabel(AXIS_NAMES[vary])
-        ax.set_ylabel("v4.40 tuple / v4.42 dynamic overhead (x)")
-        ax.grid(alpha=0.3)
-    axes[0][0].legend(fontsize=8)
-    fig.tight_layout()
+        first = table.iloc[0]
+        ax.set_title(", ".join(f"{AXIS_NAMES[k].split(' (')[0]} {first[k]}" for k in SIZES if k != vary), fontsize=9)
+    axes[0][0].set_ylabel("peak of tuple / v4.40 ÷ peak of dynamic / v4.42 (x)")
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    handles += [plt.Line2D([], [], color="grey", linestyle=s) for s in ("-", "-.", ":")]
+    labels += [f"PR #30536: {name} ≈ {value:g}" for name, value in PR_FACTORS.items()]
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    first = next(iter(tables.values())).iloc[0]
+    fig.suptitle(title or f"How much the PR saved, measured: {first['preset']} {first['dtype']} on {first['device']}",
+                 fontsize=11)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     return fig
 
 
