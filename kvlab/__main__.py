@@ -1,4 +1,4 @@
-"""Command line: `python -m kvlab {measure,compare,predict,sweep,plan}`.
+"""Command line: `python -m kvlab {measure,compare,predict,sweep,plan,stream}`.
 
 Bad input exits with status 2 and one line naming the valid choices, before any model is built; so does a
 point whose predicted peak exceeds the free memory of its device (unless --force).
@@ -82,6 +82,11 @@ def cmd_plan(args) -> None:
     plan_main(args.rest)
 
 
+def cmd_stream(args) -> None:
+    from .request_stream import main as stream_main
+    stream_main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m kvlab", description="Where the memory of generate() goes.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -120,13 +125,19 @@ def build_parser() -> argparse.ArgumentParser:
                           add_help=False)
     plan.add_argument("rest", nargs=argparse.REMAINDER)
     plan.set_defaults(func=cmd_plan)
+
+    stream = sub.add_parser("stream", help="serve a stream of encoder-decoder requests with each cache design",
+                            add_help=False)
+    stream.add_argument("rest", nargs=argparse.REMAINDER)
+    stream.set_defaults(func=cmd_stream)
     return parser
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] in (["sweep"], ["plan"]):  # argparse's REMAINDER cannot start with an option: hand over directly
-        args = argparse.Namespace(command=argv[0], rest=argv[1:], func=cmd_sweep if argv[0] == "sweep" else cmd_plan)
+    handed_over = {"sweep": cmd_sweep, "plan": cmd_plan, "stream": cmd_stream}
+    if argv[:1] and argv[0] in handed_over:  # argparse's REMAINDER cannot start with an option: hand over directly
+        args = argparse.Namespace(command=argv[0], rest=argv[1:], func=handed_over[argv[0]])
     else:
         args = build_parser().parse_args(argv)
     try:

@@ -1,0 +1,218 @@
+"""Encoder–decoder models: presets, requests, and one greedy decoding loop.
+
+An encoder–decoder model runs its encoder once per request; every decoder step then attends to its
+own past tokens (the self-attention cache, growing by one token a step) and to the encoder output
+(the cross-attention cache, filled at the first step and only read afterwards). transformers holds the
+two in an `EncoderDecoderCache(self_attention_cache, cross_attention_cache)`.
+
+`generate` is that loop written out, so that a cache can be handed in and metered; its tokens equal
+transformers' own `model.generate()` for greedy decoding (tests/test_encdec.py checks it).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from transformers import (BartConfig, BartForConditionalGeneration, DynamicCache, EncoderDecoderCache, T5Config,
+                          T5ForConditionalGeneration, WhisperConfig, WhisperForConditionalGeneration)
+from transformers.modeling_outputs import BaseModelOutput
+
+from .compat import cache_argument
+from .models import check_device, parse_dtype, parse_overrides
+
+# Public config values (each model's config.json on the Hugging Face hub). T5Config() and WhisperConfig()
+# default to google-t5/t5-small and openai/whisper-tiny; BartConfig() defaults to bart-large's widths.
+PRESETS: dict[str, tuple[type, type, dict]] = {
+    "t5-small": (T5Config, T5ForConditionalGeneration, dict(  # google-t5/t5-small
+        d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=6, num_heads=8, vocab_size=32128,
+        relative_attention_num_buckets=32, feed_forward_proj="relu", decoder_start_token_id=0, pad_token_id=0)),
+    "whisper-tiny": (WhisperConfig, WhisperForConditionalGeneration, dict(  # openai/whisper-tiny
+        d_model=384, encoder_layers=4, decoder_layers=4, encoder_attention_heads=6, decoder_attention_heads=6,
+        encoder_ffn_dim=1536, decoder_ffn_dim=1536, vocab_size=51865, num_mel_bins=80, max_source_positions=1500,
+        max_target_positions=448, decoder_start_token_id=50258, pad_token_id=50257)),
+    "bart-base": (BartConfig, BartForConditionalGeneration, dict(  # facebook/bart-base
+        d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12, decoder_attention_heads=12,
+        encoder_ffn_dim=3072, decoder_ffn_dim=3072, vocab_size=50265, max_position_embeddings=1024,
+        decoder_start_token_id=2, pad_token_id=1)),
+}
+
+
+def build_config(preset: str, overrides=None):
+    """The preset's config with overrides (`"num_layers=2,d_model=64"` or a dict); raises before allocating."""
+    if preset not in PRESETS:
+        raise ValueError(f"unknown encoder-decoder preset {preset!r}; choose one of: {', '.join(PRESETS)}")
+    config_class, _, values = PRESETS[preset]
+    overrides = parse_overrides(overrides)
+    known = set(config_class(**values).to_dict())
+    for key, value in overrides.items():
+        if key not in known:
+            raise ValueError(f"override key {key!r} is not in the {preset} config; valid keys: {', '.join(sorted(known))}")
+    merged = {**values, **overrides}
+    for key in ("decoder_start_token_id", "pad_token_id", "bos_token_id", "eos_token_id"):
+        # A shrunk vocabulary (a small twin for tests) keeps its special tokens inside it.
+        if merged.get(key) is not None and merged[key] >= merged["vocab_size"]:
+            merged[key] = merged["vocab_size"] - 1 - (key == "decoder_start_token_id")
+    for key in ("bos_token_id", "eos_token_id"):
+        merged.setdefault(key, None)  # Whisper's config class defaults them to GPT-2's ids
+    config = config_class(**merged)
+    # Decoding must never stop early: no end-of-sequence token, no forced or suppressed tokens.
+    config.eos_token_id = None
+    config.forced_eos_token_id = None
+    config.use_cache = True
+    return config
+
+
+def build_model(preset: str = "t5-small", overrides=None, device: str = "cpu", dtype: str = "float32", seed: int = 0):
+    """An encoder–decoder model in eval mode with seeded random weights (memory does not depend on their values)."""
+    check_device(device)
+    torch_dtype = parse_dtype(dtype)
+    config = build_config(preset, overrides)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = PRESETS[preset][1](config).to(torch_dtype)
+    # Greedy argmax and nothing else: Whisper's generation config suppresses tokens at the first step.
+    g = model.generation_config
+    g.eos_token_id = g.forced_eos_token_id = g.begin_suppress_tokens = g.suppress_tokens = None
+    g.forced_decoder_ids = None
+    return model.eval()
+
+
+def decoder_shape(config) -> tuple[int, int, int]:
+    """(decoder layers, heads, head dim) of the caches: the same for self- and cross-attention."""
+    if hasattr(config, "d_kv"):  # T5
+        return config.num_decoder_layers, config.num_heads, config.d_kv
+    return config.decoder_layers, config.decoder_attention_heads, config.d_model // config.decoder_attention_heads
+
+
+def is_whisper(model_or_config) -> bool:
+    config = getattr(model_or_config, "config", model_or_config)
+    return config.model_type == "whisper"
+
+
+def max_encoder_length(config) -> int | None:
+    """The one encoder length transformers' Whisper accepts (30 s of audio, padded); None: any length."""
+    return config.max_source_positions if is_whisper(config) else None
+
+
+@dataclass
+class Request:
+    """One request: `batch` sequences whose encoder outputs are `lengths` positions long (each ≤ the batch's max).
+
+    T5 / BART: token ids, right-padded to the longest with a mask. Whisper: mel features of a 30 s window;
+    a shorter encoder length keeps the first positions of the encoder output (as whisper.cpp's `audio_ctx`
+    runs the encoder on a shorter window: transformers' encoder refuses anything but 30 s).
+    """
+
+    batch: int
+    encoder_length: int  # the longest in the batch
+    inputs: dict  # keyword arguments of the model's encoder
+
+
+def make_request(model, batch: int, encoder_length: int, seed: int = 0, ragged: bool = False) -> Request:
+    """A request of random tokens (or mel features); `ragged`: rows of different lengths, padded and masked."""
+    if batch < 1 or encoder_length < 1:
+        raise ValueError(f"batch and encoder_length must be positive integers, got {batch} and {encoder_length}")
+    config = model.config
+    generator = torch.Generator().manual_seed(seed)
+    device = model.device
+    if is_whisper(config):
+        if encoder_length > config.max_source_positions:
+            raise ValueError(f"Whisper's encoder gives at most {config.max_source_positions} positions (30 s); "
+                             f"got encoder_length={encoder_length}")
+        frames = 2 * config.max_source_positions  # the feature extractor pads every clip to 30 s
+        features = torch.randn(batch, config.num_mel_bins, frames, generator=generator).to(device, model.dtype)
+        return Request(batch, encoder_length, dict(input_features=features))
+    ids = torch.randint(3, config.vocab_size, (batch, encoder_length), generator=generator)
+    mask = torch.ones(batch, encoder_length, dtype=torch.long)
+    if ragged and batch > 1:  # the other rows shorter, right-padded: a batch of sentences of different lengths
+        lengths = torch.randint(max(1, encoder_length // 2), encoder_length + 1, (batch,), generator=generator)
+        lengths[0] = encoder_length
+        mask = (torch.arange(encoder_length)[None, :] < lengths[:, None]).long()
+        ids = ids.masked_fill(mask == 0, config.pad_token_id)
+    return Request(batch, encoder_length, dict(input_ids=ids.to(device), attention_mask=mask.to(device)))
+
+
+def encode(model, request: Request) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(encoder hidden states [batch, length, d_model], encoder mask or None): run once per request."""
+    inputs = dict(request.inputs)
+    mask = inputs.get("attention_mask")
+    hidden = model.get_encoder()(**inputs).last_hidden_state
+    if is_whisper(model):
+        hidden = hidden[:, :request.encoder_length]
+    return hidden, mask
+
+
+def generate_reference(model, request: Request, new_tokens: int, **generate_kwargs) -> torch.Tensor:
+    """transformers' own `model.generate()`, greedy, `new_tokens` steps: the tokens every kvlab loop must equal.
+
+    Whisper: its own `generate()` adds language / task / timestamp logic on top of the shared loop; the
+    shared loop (`GenerationMixin.generate`) is called with the encoder output, as Whisper's does.
+    """
+    options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, num_beams=1,
+                   **generate_kwargs)
+    if is_whisper(model):
+        from transformers import GenerationMixin
+        hidden, _ = encode(model, request)
+        start = torch.full((request.batch, 1), model.config.decoder_start_token_id, device=hidden.device)
+        return GenerationMixin.generate(model, encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
+                                        decoder_input_ids=start, **options)[:, 1:]
+    return model.generate(**request.inputs, **options)[:, 1:]
+
+
+@dataclass
+class Generation:
+    tokens: torch.Tensor  # [batch, new_tokens], the decoder start token excluded
+    cache: EncoderDecoderCache
+    seconds: float
+
+
+def dynamic_cache(model) -> EncoderDecoderCache:
+    """What `generate()` builds by default: two growing caches (every step a `torch.cat`)."""
+    return EncoderDecoderCache(DynamicCache(), DynamicCache())
+
+
+def generate(model, request: Request, new_tokens: int, cache=None, *, step=None, meter=None,
+             encoder_output=None) -> Generation:
+    """Greedy decoding: the encoder once, then `new_tokens` decoder steps through one `EncoderDecoderCache`.
+
+    cache: an `EncoderDecoderCache` (default: a dynamic one), or an object with `for_request(batch,
+        encoder_output, encoder_mask, new_tokens)` returning (cache, encoder output, encoder mask), such as
+        `kvlab.reusable_cache.ReusableStaticCache` (which may pad the encoder output to its own length).
+    step: the decoder forward for steps after the first, `step(model, tokens, hidden, mask, cache) -> logits`
+        (e.g. a `torch.compile`d `decoder_step`); the first step (which fills the cross-attention cache) is eager.
+    encoder_output: (hidden, mask) already computed, to skip the encoder.
+    """
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens must be a positive integer, got {new_tokens}")
+    started = time.perf_counter()
+    with torch.no_grad():
+        hidden, mask = encoder_output if encoder_output is not None else encode(model, request)
+        if cache is None:
+            cache = dynamic_cache(model)
+        elif hasattr(cache, "for_request"):
+            cache, hidden, mask = cache.for_request(request.batch, hidden, mask, new_tokens)
+        if meter is not None:
+            meter.label(hidden, "other")
+        tokens = torch.full((hidden.shape[0], 1), model.config.decoder_start_token_id, dtype=torch.long,
+                            device=hidden.device)
+        generated = []
+        for index in range(new_tokens):
+            forward = decoder_step if step is None or index == 0 else step
+            logits = forward(model, tokens, hidden, mask, cache)
+            tokens = logits.argmax(-1, keepdim=True)
+            generated.append(tokens)
+            del logits
+            if meter is not None:
+                meter.step()
+        out = torch.cat(generated, dim=1)[:request.batch]
+    return Generation(out, cache, time.perf_counter() - started)
+
+
+def decoder_step(model, tokens, hidden, mask, cache) -> torch.Tensor:
+    """One decoder forward over the last tokens; the next-token logits [batch, vocab]."""
+    outputs = model(encoder_outputs=(hidden,), attention_mask=mask, decoder_input_ids=tokens,
+                    use_cache=True, **{cache_argument(model): cache})
+    return outputs.logits[:, -1]
