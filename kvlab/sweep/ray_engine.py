@@ -60,7 +60,7 @@ def run_on_ray(todo: list[dict], out: Path, notebook: Path, kernel_name: str | N
 
     started_here = not ray.is_initialized()
     if started_here:
-        ray.init(address=address, logging_level=logging.WARNING, log_to_driver=False)
+        ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False)
     pending = {}
     try:
         needed = max(point_resources(p, num_cpus, num_gpus)["num_gpus"] for p in todo)
