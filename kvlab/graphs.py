@@ -231,3 +231,28 @@ def generate_graph(model, input_ids: torch.Tensor, new_tokens: int, runtime: str
         torch.cuda.synchronize(device)
     seconds = time.perf_counter() - start
     return Generation(tokens, kv, seconds)
+
+
+# The comparison of notebook 06: (runtime, cache), the eager references first.
+VARIANTS = (("eager", "dynamic"), ("eager", "prealloc"), ("jit-trace", "tuple"), ("convert", "dynamic"),
+            ("export", "static"))
+
+
+def decode_variant(model, input_ids, new_tokens, runtime, cache, graphs=None, meter=None) -> Generation:
+    """One greedy decode of a variant: kvlab's v5 loop for `eager`, a graph runtime otherwise."""
+    check_runtime(runtime, cache)
+    if runtime == "eager":
+        from .decode import generate
+        return generate(model, input_ids, new_tokens, cache=cache, loop="v5", meter=meter)
+    return generate_graph(model, input_ids, new_tokens, runtime, graphs, meter=meter)
+
+
+def time_variants(model, input_ids, new_tokens, variants=VARIANTS, repeats: int = 3) -> dict:
+    """Median seconds per decode of each variant, unmetered, the variants interleaved `repeats` times
+    (a slow moment of a shared machine hits all alike); graphs are built once, before any timing."""
+    graphs = {variant: build_graphs(model, input_ids, new_tokens, variant[0]) for variant in variants}
+    seconds = {variant: [] for variant in variants}
+    for _ in range(repeats):
+        for variant in variants:
+            seconds[variant].append(decode_variant(model, input_ids, new_tokens, *variant, graphs[variant]).seconds)
+    return {variant: sorted(times)[len(times) // 2] for variant, times in seconds.items()}
