@@ -144,3 +144,51 @@ class ReusableStaticCache:
         if mask is not None:
             padded_mask[:batch, :length] = mask
         return padded, padded_mask
+
+
+# -- what goes wrong without it: transformers' StaticCache reused as is ----------------------------------
+def _scores(model, request, new_tokens, **kwargs):
+    out = model.generate(**request.inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                         output_scores=True, return_dict_in_generate=True, **kwargs)
+    return out.sequences[:, 1:], torch.stack(out.scores)
+
+
+def static_cache_at_smaller_batch(model, max_batch: int, batch: int, encoder_length: int, new_tokens: int) -> str:
+    """Fill transformers' `StaticCache` pair at `max_batch`, reset it, reuse it at `batch`: the error's text."""
+    from transformers import StaticCache
+    from .encdec import make_request
+    config = model.config
+    cache = EncoderDecoderCache(StaticCache(config, max_cache_len=new_tokens),
+                                StaticCache(config, max_cache_len=encoder_length))
+    _scores(model, make_request(model, max_batch, encoder_length), new_tokens, cache=cache)
+    cache.reset()
+    try:
+        _scores(model, make_request(model, batch, encoder_length, seed=1), new_tokens, cache=cache)
+    except RuntimeError as error:
+        return str(error).splitlines()[0]
+    raise AssertionError("transformers' StaticCache accepted a smaller batch: this installed release fixed #35444")
+
+
+def longer_cross_attention_cache(model, batch: int, encoder_length: int, cache_length: int, new_tokens: int) -> dict:
+    """A cross-attention `StaticCache` of `cache_length` > the encoder output, used (a) as is and (b) with the
+    encoder input right-padded to `cache_length` and masked; each against `generate()`'s own cache.
+    Returns the largest |score difference| over every step and the share of tokens that still agree."""
+    from transformers import StaticCache
+    from .encdec import make_request
+
+    def cache():
+        return EncoderDecoderCache(StaticCache(model.config, max_cache_len=new_tokens),
+                                   StaticCache(model.config, max_cache_len=cache_length))
+
+    request = make_request(model, batch, encoder_length)
+    tokens, scores = _scores(model, request, new_tokens)
+    unmasked_tokens, unmasked = _scores(model, request, new_tokens, cache=cache())
+    pad = cache_length - encoder_length
+    ids, mask = request.inputs["input_ids"], request.inputs["attention_mask"]
+    padded = dict(input_ids=torch.nn.functional.pad(ids, (0, pad), value=model.config.pad_token_id),
+                  attention_mask=torch.nn.functional.pad(mask, (0, pad), value=0))
+    masked_tokens, masked = _scores(model, type(request)(batch, cache_length, padded), new_tokens, cache=cache())
+    return dict(unmasked_max_abs_score_diff=(unmasked - scores).abs().max().item(),
+                unmasked_tokens_agree=(unmasked_tokens == tokens).float().mean().item(),
+                masked_max_abs_score_diff=(masked - scores).abs().max().item(),
+                masked_tokens_agree=(masked_tokens == tokens).float().mean().item())

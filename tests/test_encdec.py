@@ -1,0 +1,119 @@
+"""Encoder–decoder decoding and the reused static cache, against transformers' own generate().
+
+Every model here is a preset's architecture (T5, Whisper, BART) at small widths, so the whole file runs in
+seconds on CPU; the shipped presets themselves are checked for their public sizes.
+"""
+
+import pytest
+import torch
+
+from kvlab import encdec
+from kvlab.reusable_cache import (ReusableStaticCache, longer_cross_attention_cache,
+                                  static_cache_at_smaller_batch)
+
+SMALL = {
+    "t5-small": "num_layers=2,num_decoder_layers=2,d_model=64,d_ff=128,num_heads=4,d_kv=16,vocab_size=500",
+    "whisper-tiny": ("d_model=64,encoder_layers=2,decoder_layers=2,encoder_attention_heads=4,decoder_attention_heads=4,"
+                     "encoder_ffn_dim=128,decoder_ffn_dim=128,vocab_size=500,max_source_positions=48,num_mel_bins=16"),
+    "bart-base": ("d_model=64,encoder_layers=2,decoder_layers=2,encoder_attention_heads=4,decoder_attention_heads=4,"
+                  "encoder_ffn_dim=128,decoder_ffn_dim=128,vocab_size=500"),
+}
+NEW = 8
+# (batch, encoder length): 3 batch sizes and 3 encoder lengths under the maxima (4, 48), the maxima first.
+REQUESTS = [(4, 48), (2, 12), (1, 30), (3, 48), (4, 7), (2, 30)]
+
+
+@pytest.fixture(scope="module", params=list(SMALL))
+def model(request):
+    return encdec.build_model(request.param, SMALL[request.param])
+
+
+def test_presets_have_the_public_sizes():
+    t5 = encdec.build_config("t5-small")
+    assert (t5.d_model, t5.num_layers, t5.num_heads, t5.d_kv, t5.d_ff, t5.vocab_size) == (512, 6, 8, 64, 2048, 32128)
+    whisper = encdec.build_config("whisper-tiny")
+    assert (whisper.d_model, whisper.decoder_layers, whisper.decoder_attention_heads, whisper.max_source_positions,
+            whisper.vocab_size) == (384, 4, 6, 1500, 51865)
+    bart = encdec.build_config("bart-base")
+    assert (bart.d_model, bart.decoder_layers, bart.decoder_attention_heads, bart.decoder_ffn_dim) == (768, 6, 12, 3072)
+    with pytest.raises(ValueError, match="choose one of: t5-small, whisper-tiny, bart-base"):
+        encdec.build_config("t5-large")
+    with pytest.raises(ValueError, match="not in the t5-small config"):
+        encdec.build_config("t5-small", "hidden_size=8")
+
+
+def test_loop_equals_generate_with_a_dynamic_cache(model):
+    request = encdec.make_request(model, 3, 20, ragged=True)
+    assert torch.equal(encdec.generate(model, request, NEW).tokens, encdec.generate_reference(model, request, NEW))
+
+
+@pytest.mark.parametrize("shapes", ["exact", "max"])
+def test_reused_cache_gives_the_tokens_of_a_freshly_sized_one(model, shapes):
+    if shapes == "max" and encdec.is_whisper(model):
+        pytest.skip("Whisper's decoder applies no encoder mask (refusal tested below)")
+    reused = ReusableStaticCache(model.config, 4, NEW, 48, shapes=shapes)
+    buffers = [t.data_ptr() for t in reused.buffers()]
+    for index, (batch, length) in enumerate(REQUESTS):
+        request = encdec.make_request(model, batch, length, seed=index, ragged=True)
+        fresh = encdec.generate_reference(model, request, NEW, cache_implementation="static")
+        assert torch.equal(encdec.generate(model, request, NEW, reused).tokens, fresh), (batch, length)
+    assert [t.data_ptr() for t in reused.buffers()] == buffers  # the same memory served every request
+
+
+def test_masked_padding_is_equivalent_and_an_unmasked_longer_cache_is_not():
+    model = encdec.build_model("t5-small", SMALL["t5-small"])
+    found = longer_cross_attention_cache(model, batch=2, encoder_length=12, cache_length=20, new_tokens=NEW)
+    assert found["masked_max_abs_score_diff"] < 1e-4  # float rounding: the padding is invisible
+    assert found["masked_tokens_agree"] == 1.0
+    assert found["unmasked_max_abs_score_diff"] > 1e-2  # the 8 unused positions are attended to
+
+
+def test_transformers_static_cache_refuses_a_smaller_batch():
+    model = encdec.build_model("t5-small", SMALL["t5-small"])
+    message = static_cache_at_smaller_batch(model, max_batch=4, batch=2, encoder_length=12, new_tokens=4)
+    assert "index_copy_(): Source/destination tensor must have same slice shapes" in message
+
+
+def test_reused_cache_refuses_what_would_be_wrong():
+    model = encdec.build_model("t5-small", SMALL["t5-small"])
+    reused = ReusableStaticCache(model.config, 4, NEW, 20)
+    request = encdec.make_request(model, 2, 12)
+    hidden, mask = encdec.encode(model, request)
+    # The silent case of transformers: a 12-position encoder output into a 20-position cross-attention cache.
+    reused.for_request(2, torch.zeros(2, 20, hidden.shape[2]), None, NEW)
+    with pytest.raises(ValueError, match="encoder output of 12 positions for a cross-attention cache of 20"):
+        encdec.generate(model, request, NEW, reused.cache, encoder_output=(hidden, mask))
+    reused.for_request(4, torch.zeros(4, 12, hidden.shape[2]), None, NEW)
+    with pytest.raises(ValueError, match="bound to batch 4 but the model sent batch 2"):
+        encdec.generate(model, request, NEW, reused.cache, encoder_output=(hidden, mask))
+    for batch, length, new, limit in ((5, 12, NEW, "batch 5 exceeds this cache's maximum of 4"),
+                                      (2, 21, NEW, "encoder length 21 exceeds this cache's maximum of 20"),
+                                      (2, 12, NEW + 1, f"new tokens {NEW + 1} exceeds this cache's maximum of {NEW}")):
+        with pytest.raises(ValueError, match=limit):
+            reused.for_request(batch, torch.zeros(batch, length, hidden.shape[2]), None, new)
+    whisper = encdec.build_config("whisper-tiny", SMALL["whisper-tiny"])
+    with pytest.raises(ValueError, match="Whisper's decoder passes no encoder mask"):
+        ReusableStaticCache(whisper, 4, NEW, 48, shapes="max")
+
+
+def test_compiled_decoder_step_compiles_once_with_max_shapes():
+    """dynamo's graph count over a stream of 3 batch sizes and 3 encoder lengths: one graph when every request
+    is padded to the maxima; views at each request's own shapes recompile until dynamo marks the sizes dynamic."""
+    from torch._dynamo.utils import counters
+    model = encdec.build_model("t5-small", SMALL["t5-small"])
+    graphs = {}
+    for shapes in ("max", "exact"):
+        torch._dynamo.reset()
+        counters.clear()
+        step = torch.compile(encdec.decoder_step, backend="eager")  # dynamo's guards do not depend on the backend
+        reused = ReusableStaticCache(model.config, 4, NEW, 48, shapes=shapes)
+        per_request = []
+        for index, (batch, length) in enumerate(REQUESTS):
+            request = encdec.make_request(model, batch, length, seed=index)
+            before = counters["stats"]["unique_graphs"]
+            tokens = encdec.generate(model, request, NEW, reused, step=step).tokens
+            assert torch.equal(tokens, encdec.generate_reference(model, request, NEW))
+            per_request.append(counters["stats"]["unique_graphs"] - before)
+        graphs[shapes] = per_request
+    assert graphs["max"] == [1, 0, 0, 0, 0, 0]
+    assert graphs["exact"][0] == 1 and 1 <= sum(graphs["exact"][1:]) <= 3 and graphs["exact"][-2:] == [0, 0]
