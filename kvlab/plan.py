@@ -146,7 +146,8 @@ def load_plan(name: str | os.PathLike, dry_run: bool = False, only: list[str] | 
         raise ValueError(f"no job of {path} starts with {', '.join(only)}; jobs: {', '.join(sorted(names))}")
     for phase in plan["phases"]:  # every point, before anything runs
         for job in phase["jobs"]:
-            for point in points_of(job, new=job.get("fit_new", {}).get("min")) + warmups_of(job):
+            points = sweep_points(job) if job.get("sweep") else points_of(job, new=job.get("fit_new", {}).get("min"))
+            for point in points + warmups_of(job):
                 try:
                     normalize(**(point if devices_here else dict(point, device="meta")))
                 except ValueError as error:
@@ -215,6 +216,8 @@ def sweep_command(job: dict, out: Path) -> list[str]:
     if job["sweep"].get("file"):
         command.append(str(job["sweep"]["file"]))
     for key, value in (job["sweep"].get("grid") or {}).items():
+        if value in ("", None):  # an empty value is the default (e.g. no overrides); --grid needs one
+            continue
         values = value if isinstance(value, list) else [value]
         command += ["--grid", f"{key}=" + ",".join(str(v) for v in values)]
     return command + ["--out", str(out)]
@@ -262,7 +265,7 @@ class Run:
         self.counts: dict[str, int] = {}
         self.work = Path(tempfile.mkdtemp(prefix="kvlab-plan-"))
         out.mkdir(parents=True, exist_ok=True)
-        (out / "run.log").write_text("")
+        (out / "run.log").touch()  # a rerun into the same folder (a resume) appends
 
     def elapsed(self) -> float:
         return time.time() - self.t0
@@ -343,8 +346,7 @@ class Run:
             folder = self.work / "sweep" / job["name"]
             command = sweep_command(job, folder)
         else:
-            spec = dict(points=[normalize(**p) for p in points_of(job, new)],
-                        warmup=[normalize(**p) for p in warmups_of(job)], deadline=deadline,
+            spec = dict(points=points_of(job, new), warmup=warmups_of(job), deadline=deadline,
                         step_s=self.step_s, start_s=self.plan["start_s"], done=sorted(self.done()))
             spec_path = self.work / f"{job['name']}.json"
             spec_path.write_text(json.dumps(spec, default=str))
@@ -409,12 +411,15 @@ class Run:
             from .models import resolve_device
             device = next((job["point"].get("device", "auto") for phase in self.plan["phases"]
                            for job in phase["jobs"]), "auto")
-            record_run(self.out, self.command, sum(self.counts.values()), self.counts,
+            from .sweep import STATUSES
+            record_run(self.out, self.command, sum(self.counts.values()), {**dict.fromkeys(STATUSES, 0), **self.counts},
                        datetime.datetime.fromtimestamp(self.t0, datetime.timezone.utc), resolve_device(device),
                        plan=self.plan["path"], dry_run=self.plan["dry_run"])
         from .plan_summary import write_summary
         write_summary(self.plan, self.out, self.events, self.elapsed(), [data_path(s["path"]) for s in
                                                                            self.plan["compare_with"]])
+        for lock in self.out.glob("*.lock"):  # the store's file locks: nobody writes here after this run
+            lock.unlink()
         self.log(f"done in {self.elapsed():.0f}s; files: {' '.join(sorted(p.name for p in self.out.iterdir()))}")
 
     def _watch_gpu(self, stop: threading.Event) -> None:
@@ -472,27 +477,31 @@ def work(spec: dict) -> None:
     from .sweep import failure_status, point_id
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads()))
     built, model, step_s = None, None, spec["step_s"]
-    for warmup, params in [(True, p) for p in spec["warmup"]] + [(False, p) for p in spec["points"]]:
+    for warmup, point in [(True, p) for p in spec["warmup"]] + [(False, p) for p in spec["points"]]:
+        params = normalize(**point)  # checked by the orchestrator already; here for the defaults
         key = point_id(params)
+        what = f"{params['kind']} {params['cache']}/{params['loop']} n{params['new']}"
         if not warmup and key in spec["done"]:
-            print(f"already ok in results.csv: {key}", flush=True)
+            print(f"{what}: already ok in results.csv ({key}), not run again", flush=True)
             continue
-        need = point_seconds(params, step_s, spec["start_s"])
-        left = spec["deadline"] - time.time()
+        need, left = point_seconds(params, step_s, spec["start_s"]), spec["deadline"] - time.time()
         if need > left:
-            print(f"SKIPPED {params['kind']} {params['cache']}/{params['loop']} n{params['new']}: needs ≈{need:.0f}s, "
-                  f"{left:.0f}s left", flush=True)
+            print(f"SKIPPED {what}: needs ≈{need:.0f}s, {left:.0f}s left", flush=True)
             continue
-        if params["kind"] == "kvlab" and built != _model_key(params):
-            model = None
-            gc.collect()
-            model = build_model(params["preset"], params["overrides"], params["device"], params["dtype"],
-                                params["seed"])
-            built = _model_key(params)
         started = datetime.datetime.now(datetime.timezone.utc)
         clock = time.perf_counter()
         row = dict(params, point_id=key, started_at=started.isoformat(timespec="seconds"), notebook=None)
         try:
+            if params["kind"] == "kvlab" and built != _model_key(params):
+                model, built = None, None
+                gc.collect()
+                model = build_model(*_model_key(params))
+                built = _model_key(params)
+            elif params["kind"] == "reference" and model is not None:  # its own process builds its own copy
+                model, built = None, None
+                gc.collect()
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
             record, _ = measure(model if params["kind"] == "kvlab" else None, **params)
             row.update(record, status="ok", error=None)
         except Exception as error:  # a failed point is a row, not the end of the job
@@ -502,14 +511,17 @@ def work(spec: dict) -> None:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         row["elapsed_s"] = round(time.perf_counter() - clock, 2)
+        if row["status"] == "ok" and row.get("seconds"):  # plan the next point on what this one took
+            step_s = max(step_s, row["seconds"] / (params["new"] + params["restart_new"]))
         if warmup:
-            print(f"warmup {params['cache']}/{params['loop']}: {row['status']} in {row['elapsed_s']}s", flush=True)
+            print(f"warmup {what}: {row['status']} in {row['elapsed_s']}s", flush=True)
         else:
             print(ROW + json.dumps(row, default=str), flush=True)
         gc.collect()
 
 
 def _model_key(params: dict) -> tuple:
+    """build_model's arguments: points that share them share one model."""
     return tuple(params[key] for key in ("preset", "overrides", "device", "dtype", "seed"))
 
 
@@ -580,6 +592,7 @@ def main(argv=None) -> None:
         if not args.plan:
             raise ValueError("name a plan file")
         only = [prefix for prefix in args.only.split(",") if prefix]
+        out = Path(args.out or Path("results") / f"plan-{plan_file(args.plan).stem}")
         plan = load_plan(args.plan, dry_run=args.dry_run, only=only, devices_here=not args.list)
         if args.budget is not None:
             if args.budget <= plan["reserve_s"]:
@@ -588,7 +601,6 @@ def main(argv=None) -> None:
         if args.list:
             print(list_plan(plan))
             return
-        out = Path(args.out or Path("results") / f"plan-{plan['name']}")
         command = " ".join(["python -m kvlab plan", *(argv if argv is not None else sys.argv[1:])])
         Run(plan, out, command).run()
     except ValueError as error:
