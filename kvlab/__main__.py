@@ -33,7 +33,7 @@ def _point_arguments(parser: argparse.ArgumentParser, defaults: dict = DEFAULTS)
 
 
 def _point_params(args) -> dict:
-    keys = ("kind", "preset", "cache", "loop", "strategy", "batch", "prompt", "new", "restart_new", "num_beams",
+    keys = ("kind", "runtime", "preset", "cache", "loop", "strategy", "batch", "prompt", "new", "restart_new", "num_beams",
             "chunk_limit", "block_tokens", "seed", "device", "dtype", "timing", "force")
     params = {key: getattr(args, key, None) for key in keys if getattr(args, key, None) is not None}
     if args.override:
@@ -94,6 +94,9 @@ def build_parser() -> argparse.ArgumentParser:
     measure = sub.add_parser("measure", help="measure one point and print its record")
     _point_arguments(measure)
     measure.add_argument("--json", action="store_true", help="print the record as one JSON line")
+    measure.add_argument("--runtime", default=None, help="eager (kvlab's loop, default), jit-trace (a torch.jit.trace "
+                         "graph passing tuples: cache tuple), convert (tuples <-> DynamicCache every step: cache "
+                         "dynamic) or export (torch.export with a static cache: cache static); see kvlab.graphs")
     measure.add_argument("--no-timing", dest="timing", action="store_false", default=None,
                          help="skip the second, unmetered run that measures tokens/s")
     measure.add_argument("--force", action="store_true", default=None,

@@ -101,7 +101,7 @@ class ProfilerMeter:
         while len(timeline) < len(marks):
             timeline.append(StepMemory(len(timeline), live, step_peak))
             step_peak = live
-        at_peak = {"weights": self.weights, "kv": 0, "logits": 0, "other": 0}
+        at_peak = {"weights": self.weights}  # no kv / logits / other: see the module docstring
         return MemoryReport("cpu", self.method, self.weights, self.weights + peak, None, timeline, at_peak)
 
     def report(self) -> MemoryReport:

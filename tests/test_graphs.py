@@ -1,6 +1,10 @@
 """Decoding through a graph (kvlab.graphs): tokens as transformers' generate(), the graph meter against an
 independent witness, theory against measurement, conversion costs, and bad input refused in one line."""
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 
@@ -217,3 +221,16 @@ def test_a_runtime_without_a_cache_gets_the_one_it_carries():
 def test_decode_variant_runs_the_eager_references(toy, prompt):
     for cache in ("dynamic", "prealloc"):
         assert torch.equal(decode_variant(toy, prompt, 6, "eager", cache).tokens, reference(toy, prompt, 6))
+
+
+def test_cli_measures_a_runtime_and_refuses_a_design_it_cannot_carry():
+    run = lambda *args: subprocess.run([sys.executable, "-m", "kvlab", "measure", *args], capture_output=True,  # noqa: E731
+                                       text=True, timeout=300)
+    refused = run("--runtime", "export", "--cache", "dynamic")
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1
+    assert "cannot carry the 'dynamic' cache" in refused.stderr and "Traceback" not in refused.stderr
+    measured = run("--runtime", "jit-trace", "--batch", "2", "--prompt", "8", "--new", "4", "--json", "--no-timing")
+    assert measured.returncode == 0, measured.stderr
+    record = json.loads(measured.stdout.strip().splitlines()[-1])
+    assert (record["runtime"], record["cache"], record["meter"]) == ("jit-trace", "tuple", "profiler")
+    assert record["kv_at_peak_bytes"] is None and record["graph_build_seconds"] > 0
