@@ -394,7 +394,8 @@ def _provenance(out: Path, command: str, settings: dict, started) -> None:
     finished = datetime.datetime.now(datetime.timezone.utc)
     run_info = dict(command=command, settings={k: v for k, v in settings.items()}, **provenance(settings["device"]),
                     started_at=started.isoformat(timespec="seconds"),
-                    seconds=round((finished - started).total_seconds(), 1), cpu_count=os.cpu_count())
+                    seconds=round((finished - started).total_seconds(), 1), cpu_count=os.cpu_count(),
+                    load_average=[round(x, 2) for x in os.getloadavg()])  # a busy shared machine slows the timings
     run_info.pop("measured_at")
     path = out / "provenance.json"
     runs = json.loads(path.read_text())["runs"] if path.exists() else []
