@@ -187,7 +187,7 @@ def measure(model=None, **params):
                     overhead_bytes=report.overhead_bytes, reserved_peak_bytes=report.reserved_peak_bytes,
                     storages_peak_bytes=report.storages_peak_bytes, kv_at_peak_bytes=at_peak.get("kv"),
                     logits_at_peak_bytes=at_peak.get("logits"), other_at_peak_bytes=at_peak.get("other"),
-                    graph_build_seconds=round(graphs.build_seconds, 3) if graphs else None)
+                    graph_build_seconds=round(graphs.build_seconds, 3) if graphs and graphs.build_seconds else None)
     return _record(p, config, measured, seconds, provenance(p["device"])), report
 
 

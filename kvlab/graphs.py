@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import DynamicCache
+from transformers.utils import logging as hf_logging
 
 from .caches import TupleRoundTripCache, num_layers
 from .compat import cache_argument
@@ -89,7 +90,7 @@ class Graphs:
     runtime: str
     prefill: object = None  # jit-trace: the prompt's graph (no cache in); export: the one program
     decode: object = None  # jit-trace: a step's graph (cache in, cache out)
-    build_seconds: float = 0.0
+    build_seconds: float | None = None  # None: nothing to build (eager, convert)
     max_cache_len: int = 0
 
 
@@ -110,10 +111,13 @@ def build_graphs(model, input_ids: torch.Tensor, new_tokens: int, runtime: str, 
     rows, prompt = input_ids.shape
     device = input_ids.device
     graphs = Graphs(runtime, max_cache_len=prompt + new_tokens - 1)
+    verbosity = hf_logging.get_verbosity()
     with warnings.catch_warnings():
         # Tracing warns at every Python branch on a tensor's value or shape it freezes (the mask
-        # shortcuts); which branches are taken is pinned by the token tests at other lengths.
+        # shortcuts); which branches are taken is pinned by the token tests at other lengths. It also reads
+        # every attribute of the model, and transformers logs a line when `loss_function` is read.
         warnings.simplefilter("ignore")
+        hf_logging.set_verbosity_error()
         if runtime == "jit-trace":
             step = TupleStep(model).eval()
             if not trace:
@@ -129,6 +133,7 @@ def build_graphs(model, input_ids: torch.Tensor, new_tokens: int, runtime: str, 
                     del out
         else:
             graphs.prefill = _export(model, input_ids, graphs.max_cache_len)
+        hf_logging.set_verbosity(verbosity)
     graphs.build_seconds = time.perf_counter() - start
     return graphs
 
@@ -251,6 +256,8 @@ def time_variants(model, input_ids, new_tokens, variants=VARIANTS, repeats: int 
     """Median seconds per decode of each variant, unmetered, the variants interleaved `repeats` times
     (a slow moment of a shared machine hits all alike); graphs are built once, before any timing."""
     graphs = {variant: build_graphs(model, input_ids, new_tokens, variant[0]) for variant in variants}
+    for variant in variants:  # warm-up: TorchScript's profiling executor optimises a graph on its first runs
+        decode_variant(model, input_ids, min(new_tokens, 3), *variant, graphs[variant])
     seconds = {variant: [] for variant in variants}
     for _ in range(repeats):
         for variant in variants:
