@@ -120,7 +120,8 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--out", default=None, help="results folder (default: results/compare-<time>)")
     compare.set_defaults(func=cmd_compare)
 
-    sweep = sub.add_parser("sweep", help="run a grid of points with papermill, one fresh kernel each", add_help=False)
+    sweep = sub.add_parser("sweep", help="run a grid of points with papermill, one fresh kernel each, here or on Ray "
+                           "(--engine local|ray --address ...)", add_help=False)
     sweep.add_argument("rest", nargs=argparse.REMAINDER)
     sweep.set_defaults(func=cmd_sweep)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
@@ -39,6 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
     args.file = args.file or args.sweep
+    # A batch scheduler stops a job with SIGTERM (Slurm's scancel, its time limit): treat it as Ctrl-C.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         if args.engine == "local" and (args.address or args.num_cpus is not None or args.num_gpus is not None):
             raise ValueError("--address, --num-cpus and --num-gpus are for --engine ray")
@@ -65,5 +68,7 @@ def main(argv=None) -> None:
         print(f"kvlab sweep: error: {error}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # the rows written so far stay valid: a rerun resumes
-        print(f"kvlab sweep: interrupted; rerun the same command to resume", file=sys.stderr)
+        print("kvlab sweep: interrupted; rerun the same command to resume", file=sys.stderr)
         sys.exit(130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
