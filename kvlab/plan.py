@@ -62,10 +62,6 @@ ROW = "kvlab-plan-row "  # the prefix of a worker's output line that carries one
 PLAN_KEYS = {"description", "budget_s", "reserve_s", "step_s", "start_s", "parallel", "gib_per_lane", "point",
              "phases", "compare_with", "tolerance", "dry_run"}
 JOB_KEYS = {"name", "lane", "point", "points", "sweep", "fit_new", "warmup", "compare_speed"}
-# The parameters that do not change what a point measures (timing and the fit check), left out when a
-# reference point is paired with kvlab's loop at the same point.
-NOT_MEASURED = {"kind", "track_storages", "timing", "force"}
-MATCH_KEYS = ("preset", "overrides", "cache", "loop", "strategy", "batch", "prompt", "new", "dtype")
 
 
 # -- the plan file -------------------------------------------------------------------------------

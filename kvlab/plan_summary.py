@@ -41,8 +41,9 @@ def write_summary(plan: dict, out: Path, events: list[str], elapsed: float, sour
     if results.exists():
         table = pd.read_csv(results, dtype={"overrides": "string", "error": "string"})
         table = table.assign(overrides=table["overrides"].fillna(""))
-    else:
-        table = pd.DataFrame(columns=["status", *MATCH_KEYS])
+    else:  # nothing ended (all skipped or killed): the same sections, empty
+        from .sweep import COLUMNS
+        table = pd.DataFrame(columns=[*COLUMNS, "job", "lane", "phase"])
     ok = table[table["status"] == "ok"]
     unit = ("GiB", 2**30) if not ok.empty and ok["overhead_bytes"].max() >= 2**30 else ("MiB", 2**20)
     size = _size(unit)

@@ -248,7 +248,7 @@ def test_dry_run_of_a_small_plan_end_to_end(tmp_path):
 def test_a_job_running_past_its_phase_deadline_is_killed_with_its_processes(tmp_path):
     # The estimate (a tiny step time) lets the job start; the decode is far longer than the phase.
     plan = write_plan(tmp_path / "late.yaml", {
-        "budget_s": 25, "reserve_s": 0, "step_s": 0.00001, "start_s": 0, "parallel": 1,
+        "budget_s": 20, "reserve_s": 0, "step_s": 0.00001, "start_s": 0, "parallel": 1,
         "point": {"preset": "toy", "device": "cpu", "batch": 1, "prompt": 4, "timing": False, "force": True},
         "phases": [{"name": "only", "ends_before_s": 0, "jobs": [
             {"name": "late", "lane": "a", "points": [{"cache": "dynamic", "new": 200000}]}]}]})
