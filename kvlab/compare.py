@@ -78,5 +78,8 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
 
 def _execute_analysis(results_csv: Path, output: Path) -> None:
     import papermill
+
+    from .colab import kernel_name  # `kvlab` where make registered it, else python3
     papermill.execute_notebook(str(ANALYSIS_NOTEBOOK), str(output), parameters={"results_csv": str(results_csv.resolve())},
+                               kernel_name=kernel_name(),
                                cwd=str(ANALYSIS_NOTEBOOK.parent.parent), progress_bar=False)

@@ -114,3 +114,12 @@ def test_make_lab_uses_its_own_kernel_name():
     installs = [line for line in recipe.stdout.splitlines() if "ipykernel install" in line]
     assert installs and all(f"--name {colab.KERNEL['name']}" in line for line in installs), installs
     assert not any("--name python3" in line for line in installs)
+
+
+def test_kernel_falls_back_on_the_native_one_where_kvlab_is_not_registered(monkeypatch):
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    monkeypatch.setattr(KernelSpecManager, "find_kernel_specs", lambda self: {"python3": "/somewhere"})
+    assert colab.kernel_name() == "python3"
+    monkeypatch.setattr(KernelSpecManager, "find_kernel_specs", lambda self: {"python3": "/a", "kvlab": "/b"})
+    assert colab.kernel_name() == "kvlab"

@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+from ..colab import kernel_name as notebook_kernel  # `kvlab` where make registered it, else python3
 from ..predict import TooBig, check_fits
 from .grid import point_id, point_label
 
@@ -83,7 +84,7 @@ def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = N
             check_fits(params)  # refuse before a kernel starts and allocates
         parameters = dict(params, record_path=str(record_path))
         papermill.execute_notebook(str(notebook), str(executed), parameters=parameters,
-                                   kernel_name=kernel_name, progress_bar=False, log_output=False,
+                                   kernel_name=kernel_name or notebook_kernel(), progress_bar=False, log_output=False,
                                    cwd=str(PACKAGE_DIR.parent), extra_arguments=QUIET_KERNEL)
         row.update(json.loads(record_path.read_text()), status="ok", error=None)
     except TooBig as error:  # refused: no notebook was run
