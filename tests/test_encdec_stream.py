@@ -1,8 +1,6 @@
 """The request stream: its meter against PyTorch's profiler, its records against the theory, its CLI."""
 
 import collections
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -69,14 +67,17 @@ def test_reused_cache_is_allocated_once_and_as_predicted(records):
         assert dynamic["allocated_bytes"] > static["allocated_bytes"] - static["cache_bytes"]
 
 
-def test_stream_cli_refuses_bad_input_in_one_line():
+def test_stream_cli_refuses_bad_input_in_one_line(capsys):
+    from kvlab.__main__ import main
     for args, message in ((["no-such-stream"], "not found; give a path or one of: encdec-cpu"),
                           (["encdec-cpu", "--modes", "fast"], "unknown mode 'fast'; choose from: hf-static"),
-                          (["encdec-whisper-cpu", "--modes", "reused-max"], "Whisper's decoder applies no encoder mask")):
-        done = subprocess.run([sys.executable, "-m", "kvlab", "stream", *args], capture_output=True, text=True)
-        assert done.returncode == 2
-        assert done.stderr.strip().startswith("kvlab stream: error:") and message in done.stderr
-        assert len(done.stderr.strip().splitlines()) == 1
+                          (["encdec-whisper-cpu", "--modes", "reused-max"], "Whisper's decoder applies no encoder mask"),
+                          (["encdec-cpu", "--count", "0"], "count must be a positive integer")):
+        with pytest.raises(SystemExit) as exit_:
+            main(["stream", *args])
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert err.startswith("kvlab stream: error:") and message in err and len(err.strip().splitlines()) == 1
 
 
 def test_shipped_streams_are_valid():
