@@ -59,6 +59,7 @@ def test_grid_groups_set_parameters_together():
     (["--grid", "new"], "key=v1,v2"),                            # malformed
     (["--grid", "new=4,,8"], "key=v1,v2"),
     (["--file", "no-such-sweep"], "cpu-default"),               # names the shipped sweeps
+    (["--grid", "new=4", "--address", "auto"], "--engine ray"),  # Ray's options without the Ray engine
 ])
 def test_bad_grid_exits_before_running(tmp_path, capsys, grid, message):
     out = tmp_path / "out"
@@ -97,10 +98,7 @@ def test_shipped_sweeps_are_valid():
         fixed, grid = sweep.load_sweep(path)
         points = sweep.expand(fixed, grid)
         assert points, path.name
-        for point in points:
-            if point.get("device") == "cuda":
-                point = dict(point, device="meta")  # CUDA is absent here; the rest must still validate
-            sweep.validate([point])
+        sweep.validate(points, devices_here=False)  # CUDA is absent here; the rest must still validate
 
 
 @pytest.mark.slow
@@ -191,6 +189,26 @@ def test_a_point_predicted_not_to_fit_is_a_too_big_row_and_rerun(tmp_path, monke
 def test_force_does_not_change_the_point_id():
     point = sweep.validate([TINY])[0]
     assert sweep.point_id(point) == sweep.point_id(dict(point, force=True))
+
+
+def test_unknown_engine_is_refused(tmp_path):
+    with pytest.raises(ValueError, match="choose one of local, ray"):
+        sweep.run_sweep([TINY], tmp_path, engine="dask", progress=False)
+    assert not (tmp_path / "results.csv").exists()
+
+
+def test_cuda_points_validated_for_other_machines():
+    """The Ray driver may have no GPU: its CUDA points keep `cuda` and CUDA's defaults (the allocator
+    counts, no storage tracking; kernels timed), and every other parameter is still checked."""
+    import torch
+    if torch.cuda.is_available():
+        pytest.skip("checks the driver without a GPU")
+    [point] = sweep.validate([dict(TINY, device="cuda")], devices_here=False)
+    assert point["device"] == "cuda" and point["track_storages"] is False and point["timing"] is True
+    with pytest.raises(ValueError, match="no CUDA GPU is available"):
+        sweep.validate([dict(TINY, device="cuda")])
+    with pytest.raises(ValueError, match="unknown cache"):
+        sweep.validate([dict(TINY, device="cuda", cache="paged")], devices_here=False)
 
 
 def test_failure_status():

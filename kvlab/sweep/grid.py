@@ -105,7 +105,7 @@ def validate(points: list[dict], *, devices_here: bool = True) -> list[dict]:
     """Every point normalized (defaults filled, choices checked) before anything runs, each once.
 
     `devices_here=False` (the Ray engine): CUDA points run on other machines, so a driver without a GPU
-    checks them on the meta device and keeps `cuda`; normalize's device-dependent defaults follow CUDA.
+    checks them as CPU points (what runs on CUDA runs on a CPU) and keeps `cuda`, with CUDA's defaults.
     """
     if not points:
         raise ValueError("the sweep has no points")
@@ -125,7 +125,7 @@ def _cuda_elsewhere(point: dict) -> bool:
 
 
 def _normalize_for_cuda_elsewhere(point: dict) -> dict:
-    params = normalize(**{**point, "device": "meta"})
+    params = normalize(**{**point, "device": "cpu"})
     # What normalize would have said on CUDA: the allocator counts (no storage tracking), kernels can be timed.
     tracked = point.get("track_storages", "auto")
     return dict(params, device=point["device"], track_storages=tracked != "auto" and is_true(tracked),
