@@ -96,6 +96,7 @@ def test_reused_cache_refuses_what_would_be_wrong():
         ReusableStaticCache(whisper, 4, NEW, 48, shapes="max")
 
 
+@pytest.mark.slow  # dynamo traces the decoder 4 times: about 20 s alone, a minute on a busy 2-core machine
 def test_compiled_decoder_step_compiles_once_with_max_shapes():
     """dynamo's graph count over a stream of 3 batch sizes and 3 encoder lengths: one graph when every request
     is padded to the maxima; views at each request's own shapes recompile until dynamo marks the sizes dynamic."""
