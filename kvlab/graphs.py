@@ -108,34 +108,38 @@ def build_graphs(model, input_ids: torch.Tensor, new_tokens: int, runtime: str, 
     if runtime in ("eager", "convert"):
         return Graphs(runtime)
     start = time.perf_counter()
-    rows, prompt = input_ids.shape
-    device = input_ids.device
-    graphs = Graphs(runtime, max_cache_len=prompt + new_tokens - 1)
+    graphs = Graphs(runtime, max_cache_len=input_ids.shape[1] + new_tokens - 1)
     verbosity = hf_logging.get_verbosity()
+    # Tracing warns at every Python branch on a tensor's value or shape it freezes (the mask shortcuts);
+    # which branches are taken is pinned by the token tests at other lengths. It also reads every
+    # attribute of the model, and transformers logs a line when `loss_function` is read.
     with warnings.catch_warnings():
-        # Tracing warns at every Python branch on a tensor's value or shape it freezes (the mask
-        # shortcuts); which branches are taken is pinned by the token tests at other lengths. It also reads
-        # every attribute of the model, and transformers logs a line when `loss_function` is read.
         warnings.simplefilter("ignore")
         hf_logging.set_verbosity_error()
-        if runtime == "jit-trace":
-            step = TupleStep(model).eval()
-            if not trace:
-                graphs.prefill = graphs.decode = step
+        try:
+            if runtime == "export":
+                graphs.prefill = _export(model, input_ids, graphs.max_cache_len)
+            elif not trace:
+                graphs.prefill = graphs.decode = TupleStep(model).eval()
             else:
-                with torch.no_grad():
-                    graphs.prefill = torch.jit.trace(step, (input_ids, _positions(rows, 0, prompt, device)),
-                                                     check_trace=False)
-                    out = graphs.prefill(input_ids, _positions(rows, 0, prompt, device))
-                    next_ids = out[0].argmax(-1, keepdim=True)
-                    graphs.decode = torch.jit.trace(
-                        step, (next_ids, _positions(rows, prompt, prompt + 1, device), *out[1:]), check_trace=False)
-                    del out
-        else:
-            graphs.prefill = _export(model, input_ids, graphs.max_cache_len)
-        hf_logging.set_verbosity(verbosity)
+                graphs.prefill, graphs.decode = _trace(TupleStep(model).eval(), input_ids)
+        finally:
+            hf_logging.set_verbosity(verbosity)
     graphs.build_seconds = time.perf_counter() - start
     return graphs
+
+
+def _trace(step: TupleStep, input_ids):
+    """Two traced graphs: the prompt's (no cache in) and a step's (the cache after the prompt in and out)."""
+    rows, prompt = input_ids.shape
+    device = input_ids.device
+    with torch.no_grad():
+        prefill = torch.jit.trace(step, (input_ids, _positions(rows, 0, prompt, device)), check_trace=False)
+        out = prefill(input_ids, _positions(rows, 0, prompt, device))
+        next_ids = out[0].argmax(-1, keepdim=True)
+        decode = torch.jit.trace(step, (next_ids, _positions(rows, prompt, prompt + 1, device), *out[1:]),
+                                 check_trace=False)
+    return prefill, decode
 
 
 def _export(model, input_ids, max_cache_len):
