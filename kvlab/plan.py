@@ -30,6 +30,10 @@ its processes; each of these is listed in run.log and summary.md. Points already
 are not run again, so a second call resumes. OUT ends up flat: run.log, env.txt, results.csv (one row per
 point, kvlab.sweep's store, with job, lane and phase), provenance.json, summary.md, and sweep.tar.gz (what
 sweep jobs executed).
+
+Lanes are threads that each start one process at a time, not Ray tasks (kvlab.sweep's cluster engine): the
+GPU node carries only the papermill wheels (shared/DESIGN.md §5), and a lane is nothing more than a process
+with a deadline, which subprocess and psutil (to end its whole process tree) do in a few lines.
 """
 
 from __future__ import annotations
