@@ -89,6 +89,45 @@ def test_list_prints_every_job_and_runs_nothing(tmp_path):
     assert list((tmp_path / "out").iterdir()) == []
 
 
+# the 33 wheels that make papermill run on the GPU machine (shared/DESIGN.md section 5)
+KERNEL_STACK = """asttokens comm debugpy entrypoints executing fastjsonschema ipykernel ipython ipython-pygments-lexers
+jedi jsonschema jsonschema-specifications jupyter-client jupyter-core matplotlib-inline nbclient nbformat
+nest-asyncio2 papermill parso pexpect platformdirs prompt-toolkit ptyprocess pure-eval pyzmq referencing
+rpds-py stack-data tenacity tornado traitlets wcwidth""".split()
+
+
+def pins(path: Path) -> dict[str, str]:
+    """{normalized name: version} of a plain requirements file; each line name==version, each name once."""
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    found = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#")[0].strip()
+        if line:
+            requirement = Requirement(line)
+            [spec] = requirement.specifier
+            assert spec.operator == "==", f"{path.name}: {line} is not pinned exactly"
+            name = canonicalize_name(requirement.name)
+            assert name not in found, f"{path.name}: {name} pinned twice"
+            found[name] = spec.version
+    return found
+
+
+def test_the_pins_the_script_installs():
+    from packaging.utils import canonicalize_name
+
+    from kvlab.reference import RELEASES
+    text = SCRIPT.read_text()
+    kernel, legacy = (ROOT / "scripts" / "wheelhouse-kernel.txt", ROOT / "scripts" / "wheelhouse-legacy.txt")
+    assert str(kernel.relative_to(ROOT)) in text and str(legacy.relative_to(ROOT)) in text
+    assert sorted(pins(kernel)) == sorted(canonicalize_name(name) for name in KERNEL_STACK)
+    assert pins(legacy) == dict(pin.split("==") for pin in RELEASES["4.40.1"][1])  # what kvlab.reference wants
+    locked = {canonicalize_name(line.split("==")[0]): line.split("==")[1].strip()
+              for line in (ROOT / "requirements.lock").read_text().splitlines() if "==" in line and line[0] != "#"}
+    for name, version in pins(kernel).items():
+        assert locked.get(name, version) == version, f"{name}: {version} here, {locked[name]} in requirements.lock"
+
+
 # -- the plan file ----------------------------------------------------------------------------------
 def test_shipped_plan_and_its_dry_run():
     plan = load_plan("h200", devices_here=False)
