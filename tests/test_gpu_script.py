@@ -27,8 +27,8 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "gpu" / "h200_run.sh"
 
 
-def kvlab_plan(*args, timeout=600):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+def kvlab_plan(*args, timeout=600, **env):
+    env = dict(os.environ, OMP_NUM_THREADS="1", **env)
     return subprocess.run([sys.executable, "-m", "kvlab", "plan", *map(str, args)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
 
@@ -291,12 +291,14 @@ def test_a_job_running_past_its_phase_deadline_is_killed_with_its_processes(tmp_
         "point": {"preset": "toy", "device": "cpu", "batch": 1, "prompt": 4, "timing": False, "force": True},
         "phases": [{"name": "only", "ends_before_s": 0, "jobs": [
             {"name": "late", "lane": "a", "points": [{"cache": "dynamic", "new": 200000}]}]}]})
-    out = tmp_path / "out"
-    result = kvlab_plan(plan, "--out", out, timeout=120)
+    out, work = tmp_path / "out", tmp_path / "work"
+    work.mkdir()
+    result = kvlab_plan(plan, "--out", out, timeout=120, TMPDIR=str(work))  # the job's spec file goes there
     assert result.returncode == 0, result.stderr[-3000:]
     assert "KILLED late" in (out / "summary.md").read_text()
+    assert "START late" in (out / "run.log").read_text()
     assert not (out / "results.csv").exists()  # no row for a point that never ended
-    workers = [p for p in psutil.process_iter(["cmdline"]) if str(tmp_path) in " ".join(p.info["cmdline"] or [])]
+    workers = [p for p in psutil.process_iter(["cmdline"]) if str(work) in " ".join(p.info["cmdline"] or [])]
     assert workers == []
 
 
