@@ -236,3 +236,23 @@ def test_cli_measures_a_runtime_and_refuses_a_design_it_cannot_carry():
     record = json.loads(measured.stdout.strip().splitlines()[-1])
     assert (record["runtime"], record["cache"], record["meter"]) == ("jit-trace", "tuple", "profiler")
     assert record["kv_at_peak_bytes"] is None and record["graph_build_seconds"] > 0
+
+
+def test_the_gpu_sweep_is_valid_and_its_7b_points_are_predicted_as_on_the_twins():
+    from kvlab import theory
+    from kvlab.models import build_config
+    from kvlab.sweep import expand, load_sweep, validate
+    points = validate(expand(*load_sweep("gpu-graphs")), devices_here=False)
+    assert len(points) == 10 and {p["device"] for p in points} == {"cuda"}
+    assert {(p["runtime"], p["cache"]) for p in points} == set(VARIANTS)
+    for preset in ("llama2-7b", "mistral-7b"):
+        config = build_config(preset)
+        point = dict(batch=8, prompt=300, new=500, dtype="bfloat16")
+        ratio = {runtime: theory.explain(config, runtime=runtime, cache=cache, **point)["overhead_over_kv"]
+                 for runtime, cache in VARIANTS if runtime != "eager"}
+        assert ratio["jit-trace"] >= 1.9 and ratio["convert"] >= ratio["jit-trace"], ratio
+        # export: its buffers (prompt + new - 1 tokens) plus the prompt's step (Mistral's MLP is 3.5x wider)
+        exported = theory.explain(config, runtime="export", cache="static", **point)
+        buffers = exported["terms_bytes"]["static cache buffers"]
+        assert buffers == exported["kv_final_bytes"] * 799 // 800 and exported["peak_at"] == "step 0 (mlp)"
+        assert ratio["export"] < ratio["jit-trace"] - 0.7, ratio
