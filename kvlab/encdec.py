@@ -99,7 +99,7 @@ def max_encoder_length(config) -> int | None:
 
 @dataclass
 class Request:
-    """One request: `batch` sequences whose encoder outputs are `lengths` positions long (each ≤ the batch's max).
+    """One request: `batch` sequences, an encoder output of `encoder_length` positions (the longest row's).
 
     T5 / BART: token ids, right-padded to the longest with a mask. Whisper: mel features of a 30 s window;
     a shorter encoder length keeps the first positions of the encoder output (as whisper.cpp's `audio_ctx`
@@ -169,7 +169,7 @@ class Generation:
     seconds: float
 
 
-def dynamic_cache(model) -> EncoderDecoderCache:
+def dynamic_cache() -> EncoderDecoderCache:
     """What `generate()` builds by default: two growing caches (every step a `torch.cat`)."""
     return EncoderDecoderCache(DynamicCache(), DynamicCache())
 
@@ -191,7 +191,7 @@ def generate(model, request: Request, new_tokens: int, cache=None, *, step=None,
     with torch.no_grad():
         hidden, mask = encoder_output if encoder_output is not None else encode(model, request)
         if cache is None:
-            cache = dynamic_cache(model)
+            cache = dynamic_cache()
         elif hasattr(cache, "for_request"):
             cache, hidden, mask = cache.for_request(request.batch, hidden, mask, new_tokens)
         if meter is not None:
