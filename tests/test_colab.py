@@ -20,7 +20,7 @@ import nbformat
 import pytest
 
 from kvlab.colab import SETUP_TAG
-from kvlab.notebooks import declared_parameters
+from kvlab.notebooks import QUIET_KERNEL, declared_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -77,7 +77,7 @@ def test_notebook_runs_in_emulated_colab(path, colab, monkeypatch):
     output = colab["content"] / f"executed-{path.name}"
     papermill.execute_notebook(str(path), str(output), parameters=parameters, kernel_name="colab",
                                cwd=str(colab["content"]), progress_bar=False, log_output=False,
-                               extra_arguments=["--IPKernelApp.log_level=CRITICAL"])
+                               extra_arguments=QUIET_KERNEL)
     executed = nbformat.read(output, as_version=4)
     errors = [o for c in executed.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, f"{path.name}: {errors[0].get('ename')}: {errors[0].get('evalue')}"

@@ -19,7 +19,7 @@ import nbformat
 import pytest
 
 from kvlab import colab
-from kvlab.notebooks import declared_parameters, problems
+from kvlab.notebooks import QUIET_KERNEL, declared_parameters, problems
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS_DIR = ROOT / "notebooks"
@@ -51,7 +51,7 @@ def test_notebook_executes_with_tiny_parameters(path, tmp_path, monkeypatch):
     output = tmp_path / path.name
     papermill.execute_notebook(str(path), str(output), parameters=tiny_parameters(path, tmp_path),
                                kernel_name=colab.kernel_name(), cwd=str(path.parent), progress_bar=False,
-                               log_output=False)
+                               log_output=False, extra_arguments=QUIET_KERNEL)
     executed = nbformat.read(output, as_version=4)
     errors = [o for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
