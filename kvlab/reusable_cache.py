@@ -147,7 +147,10 @@ class ReusableStaticCache:
 
 
 # -- what goes wrong without it: transformers' StaticCache reused as is ----------------------------------
-def _scores(model, request, new_tokens, **kwargs):
+def _scores(model, request, new_tokens, cache=None, **kwargs):
+    if cache is not None:  # generate() takes the cache under the forward's name (5.24: cache, 5.17: past_key_values)
+        from .compat import cache_argument
+        kwargs[cache_argument(model)] = cache
     out = model.generate(**request.inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                          output_scores=True, return_dict_in_generate=True, **kwargs)
     return out.sequences[:, 1:], torch.stack(out.scores)
