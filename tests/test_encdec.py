@@ -62,6 +62,30 @@ def test_reused_cache_gives_the_tokens_of_a_freshly_sized_one(model, shapes):
     assert [t.data_ptr() for t in reused.buffers()] == buffers  # the same memory served every request
 
 
+@pytest.mark.parametrize("shapes", ["exact", "max"])
+def test_reused_cache_serves_transformers_generate(model, shapes):
+    """for_request's (cache, encoder output, mask) handed to transformers' own generate(): the same tokens."""
+    from transformers import GenerationMixin
+    from transformers.modeling_outputs import BaseModelOutput
+
+    from kvlab.compat import cache_argument
+    if shapes == "max" and encdec.is_whisper(model):
+        with pytest.raises(ValueError, match="Whisper's decoder passes no encoder mask"):
+            ReusableStaticCache(model.config, 4, NEW, 48, shapes=shapes)
+        return
+    reused = ReusableStaticCache(model.config, 4, NEW, 48, shapes=shapes)
+    for index, (batch, length) in enumerate(REQUESTS[:3]):
+        request = encdec.make_request(model, batch, length, seed=index, ragged=not encdec.is_whisper(model))
+        cache, hidden, mask = reused.for_request(batch, *encdec.encode(model, request), NEW)
+        options = dict(max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False, **{cache_argument(model): cache})
+        start = torch.full((hidden.shape[0], 1), model.config.decoder_start_token_id)
+        # Whisper's own generate() adds language / timestamp logic; the shared loop is what it calls.
+        out = (GenerationMixin.generate if encdec.is_whisper(model) else type(model).generate)(
+            model, encoder_outputs=BaseModelOutput(last_hidden_state=hidden), attention_mask=mask,
+            decoder_input_ids=start, **options)
+        assert torch.equal(out[:batch, 1:], encdec.generate_reference(model, request, NEW)), (batch, length)
+
+
 def test_masked_padding_is_equivalent_and_an_unmasked_longer_cache_is_not():
     model = encdec.build_model("t5-small", SMALL["t5-small"])
     found = longer_cross_attention_cache(model, batch=2, encoder_length=12, cache_length=20, new_tokens=NEW)
