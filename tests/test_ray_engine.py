@@ -56,7 +56,9 @@ def test_killed_midway_and_resumed_gives_four_ok_rows(cluster, tmp_path):
     for key, value in grid.items():
         command += ["--grid", f"{key}={value}"]
     results = tmp_path / "results.csv"
-    driver = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # Ctrl-C's default action even if this test runs in the background (where SIGINT is ignored, and inherited so)
+    driver = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and driver.poll() is None:

@@ -186,6 +186,17 @@ def test_a_point_predicted_not_to_fit_is_a_too_big_row_and_rerun(tmp_path, monke
     assert [run["ran"]["too-big"] for run in runs] == [1, 1]
 
 
+def test_point_ids_of_stored_results_stay():
+    """Parameters added later (kind, runtime) at their defaults leave ids as they were: data/cpu's rows
+    (measured before those existed) keep their ids, so they still join and a rerun still skips them."""
+    stored = sweep.load_results(ROOT / "data" / "cpu" / "results.csv")
+    assert "029bfa443c7c" in set(stored["point_id"])
+    [point] = sweep.validate([dict(preset="llama2-7b-twin", cache="tuple", loop="v4.40", batch=8, prompt=300,
+                                   new=500, device="cpu", dtype="bfloat16")])
+    assert sweep.point_id(point) == "029bfa443c7c"
+    assert sweep.point_id(dict(point, runtime="jit-trace")) != "029bfa443c7c"
+
+
 def test_force_does_not_change_the_point_id():
     point = sweep.validate([TINY])[0]
     assert sweep.point_id(point) == sweep.point_id(dict(point, force=True))

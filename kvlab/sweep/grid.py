@@ -132,10 +132,16 @@ def _normalize_for_cuda_elsewhere(point: dict) -> dict:
                 timing=is_true(point.get("timing", DEFAULTS["timing"])))
 
 
+# Parameters added after results were first stored: left out of a point's id at their defaults, so those
+# results keep their ids (a rerun still skips them, data/ stays joinable).
+LATER_PARAMETERS = ("kind", "runtime")
+
+
 def point_id(params: dict) -> str:
     """A stable id from the normalized parameters: the same point gets the same id in every rerun."""
     # `force` changes whether a point runs, not what it measures: a forced rerun replaces a "too-big" row.
-    canonical = json.dumps({key: params[key] for key in DEFAULTS if key != "force"}, sort_keys=True, default=str)
+    canonical = json.dumps({key: params[key] for key in DEFAULTS if key != "force" and not (
+        key in LATER_PARAMETERS and params[key] == DEFAULTS[key])}, sort_keys=True, default=str)
     return hashlib.sha1(canonical.encode()).hexdigest()[:12]
 
 

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import csv
 import datetime
+import hashlib
 import io
 import json
 import os
+import tempfile
 from pathlib import Path
 
 from filelock import FileLock
@@ -25,7 +27,8 @@ PARAMETER_COLUMNS = list(DEFAULTS)
 RECORD_COLUMNS = [
     "meter", "baseline_bytes", "peak_bytes", "overhead_bytes", "reserved_peak_bytes", "storages_peak_bytes",
     "kv_final_bytes", "overhead_over_kv", "predicted_overhead_bytes", "prediction_error", "kv_at_peak_bytes",
-    "logits_at_peak_bytes", "other_at_peak_bytes", "seconds", "tokens_per_s", "device_name", "torch_version",
+    "logits_at_peak_bytes", "other_at_peak_bytes", "seconds", "tokens_per_s", "graph_build_seconds", "device_name",
+    "torch_version",
     "transformers_version", "kvlab_version", "python_version", "git_commit", "measured_at",
 ]
 COLUMNS = SWEEP_COLUMNS + PARAMETER_COLUMNS + RECORD_COLUMNS
@@ -33,8 +36,15 @@ STATUSES = ("ok", "oom", "too-big", "failed")
 
 
 def locked(path: str | os.PathLike) -> FileLock:
-    """The lock that every writer (and reader) of `path` holds: PATH.lock next to it."""
-    return FileLock(f"{path}.lock")
+    """The lock that every writer (and reader) of `path` holds.
+
+    It lives in this machine's temporary folder, named after the file's absolute path, not next to the file:
+    results folders are archived and committed as they are. It orders the writers of one machine, which is
+    where a sweep's driver writes for all its points (Ray's too).
+    """
+    folder = Path(tempfile.gettempdir()) / f"kvlab-locks-{os.getuid()}"
+    folder.mkdir(exist_ok=True)
+    return FileLock(folder / (hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:16] + ".lock"))
 
 
 def _csv_line(row: dict, columns: list[str]) -> str:
