@@ -179,7 +179,12 @@ def main(argv=None) -> int:
     failed = 0
     for path in args.notebooks:
         if args.command == "stamp":
-            nbformat.write(stamp(nbformat.read(path, as_version=4), path.name), path)
+            try:
+                nbformat.write(stamp(nbformat.read(path, as_version=4), path.name), path)
+            except ValueError as error:  # no '# ' title to put the badge under
+                print(error, file=sys.stderr)
+                failed += 1
+                continue
             print(f"stamped {path}")
             continue
         if args.command == "run":

@@ -123,3 +123,24 @@ def test_kernel_falls_back_on_the_native_one_where_kvlab_is_not_registered(monke
     assert colab.kernel_name() == "python3"
     monkeypatch.setattr(KernelSpecManager, "find_kernel_specs", lambda self: {"python3": "/a", "kvlab": "/b"})
     assert colab.kernel_name() == "kvlab"
+
+
+def test_stamp_gives_badge_setup_cell_and_kernel_once(tmp_path, capsys):
+    from kvlab.notebooks import main
+
+    path = tmp_path / "09_new.ipynb"
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# 09 · New\n\nWhat you will learn."),
+                                         nbformat.v4.new_code_cell("tiny = False", metadata={"tags": ["parameters"]})])
+    nbformat.write(nb, path)
+    assert main(["stamp", str(path)]) == 0
+    stamped = nbformat.read(path, as_version=4)
+    assert stamped.cells[0].source.splitlines()[2] == colab.badge("09_new.ipynb")
+    assert stamped.cells[1].source == colab.SETUP_CELL and stamped.cells[1].metadata["tags"] == [colab.SETUP_TAG]
+    assert stamped.metadata["kernelspec"] == colab.KERNEL
+    first = path.read_bytes()
+    assert main(["stamp", str(path)]) == 0 and path.read_bytes() == first, "stamping twice changed the notebook"
+
+    nbformat.write(nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("no title")]), path)
+    capsys.readouterr()
+    assert main(["stamp", str(path)]) == 1
+    assert capsys.readouterr().err.strip().count("\n") == 0, "a bad notebook should cost one line, no traceback"
