@@ -1,12 +1,16 @@
 """The local engine vs Ray with 2 workers, on the same 8-point CPU grid, side by side in one run.
 
-    python benchmarks/sweep_engines.py [--repeats 1] [--workers 2] [--new 64,128,192,256]
+    python benchmarks/sweep_engines.py [--repeats 3] [--workers 2] [--new 64,128,192,256]
 
 Each repeat runs the grid with both engines in turn (the order alternates between repeats, so a busy
 moment of a shared machine does not always hit the same one), each into its own fresh results folder,
 and checks that both measured the same bytes for every point. Printed: wall seconds of each engine
 (Ray's cluster start is timed apart: a cluster is started once, not per sweep) and the ratio
 local / Ray. Points are CPU points (toy preset, one OpenMP thread each) so the grid fits a laptop.
+
+The first Ray sweep after the cluster starts also pays for its worker processes' start (each imports
+kvlab, hence torch and transformers, before its first point): `python -m kvlab sweep --engine ray`
+without --address starts a cluster per sweep and pays it every time; a running cluster pays it once.
 
 Why less than 2x with 2 workers on 2 cores: a point is a fresh Jupyter kernel, and its start (Python,
 torch and transformers imports, the kernel's ZeroMQ handshake) is a large, CPU-bound share of a small
@@ -45,7 +49,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workers", type=int, default=2, help="Ray's CPUs: points at once (default 2)")
     parser.add_argument("--new", default="64,128,192,256", help="new tokens, each with the tuple and dynamic caches")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # one thread per kernel, in both engines
     import ray
@@ -69,6 +73,8 @@ def main():
             local, on_ray = tables["local"], tables["ray"].loc[tables["local"].index]
             if not (local["overhead_bytes"] == on_ray["overhead_bytes"]).all():
                 raise SystemExit("the engines measured different bytes for the same points")
+            print(f"  repeat {repeat + 1}: local / ray = {seconds['local'][-1] / seconds['ray'][-1]:.2f} x"
+                  + (" (Ray's first sweep: its workers start and import kvlab, torch, transformers)" if repeat == 0 else ""))
     ray.shutdown()
     local, on_ray = sum(seconds["local"]), sum(seconds["ray"])
     print(f"\n| engine | wall s ({args.repeats} x {len(points)} points) | s per point |\n|---|---|---|")
