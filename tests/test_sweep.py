@@ -60,6 +60,7 @@ def test_grid_groups_set_parameters_together():
     (["--grid", "new=4,,8"], "key=v1,v2"),
     (["--file", "no-such-sweep"], "cpu-default"),               # names the shipped sweeps
     (["--grid", "new=4", "--address", "auto"], "--engine ray"),  # Ray's options without the Ray engine
+    (["--grid", "new=4", "--engine", "dask"], "choose one of local, ray"),
 ])
 def test_bad_grid_exits_before_running(tmp_path, capsys, grid, message):
     out = tmp_path / "out"

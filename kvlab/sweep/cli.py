@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dry-run", action="store_true", help="validate and list the points, run nothing")
     parser.add_argument("--force", action="store_true", help="run points predicted not to fit in free memory too")
     ray = parser.add_argument_group("engine", "where the points run (the results folder is the same for both)")
-    ray.add_argument("--engine", default="local", choices=list(ENGINES),
+    ray.add_argument("--engine", default="local", metavar="{" + ",".join(ENGINES) + "}",
                      help="local: one point after the other here (default); ray: a Ray task per point")
     ray.add_argument("--address", default=None,
                      help="Ray cluster: auto (the one this node belongs to) or ray://HOST:PORT; default: start one here")
@@ -43,6 +43,8 @@ def main(argv=None) -> None:
     # A batch scheduler stops a job with SIGTERM (Slurm's scancel, its time limit): treat it as Ctrl-C.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
+        if args.engine not in ENGINES:
+            raise ValueError(f"unknown engine {args.engine!r}; choose one of {', '.join(ENGINES)}")
         if args.engine == "local" and (args.address or args.num_cpus is not None or args.num_gpus is not None):
             raise ValueError("--address, --num-cpus and --num-gpus are for --engine ray")
         fixed, grid = load_sweep(args.file) if args.file else ({}, {})
