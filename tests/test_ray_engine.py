@@ -105,6 +105,33 @@ def test_a_failing_point_is_one_failure_row(cluster, tmp_path):
                                                          {"ok": 0, "oom": 1, "too-big": 0, "failed": 0}]
 
 
+@pytest.mark.slow
+def test_a_task_whose_worker_dies_is_one_failure_row(cluster, tmp_path):
+    """A worker (or its node) lost mid-point: Ray raises for that task; the driver writes a "failed" row
+    and the other points go on."""
+    import threading
+
+    import psutil
+
+    def kill_the_tuple_point():  # Ray names a task's worker process `ray::<task name>`
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            for process in psutil.process_iter(["cmdline"]):
+                if " ".join(process.info["cmdline"] or []).startswith("ray::kvlab point tuple/"):
+                    process.kill()
+                    return
+            time.sleep(0.2)
+    killer = threading.Thread(target=kill_the_tuple_point, daemon=True)
+    killer.start()
+    points = [dict(TINY, cache="tuple", new=400), dict(TINY, cache="dynamic")]
+    table = sweep.run_sweep(points, tmp_path, engine="ray", progress=False)
+    killer.join(timeout=1)
+    assert len(table) == 2 and table["point_id"].is_unique
+    failed, measured = table.set_index("cache").loc["tuple"], table.set_index("cache").loc["dynamic"]
+    assert failed["status"] == "failed" and failed["error"].startswith("WorkerCrashedError: ")
+    assert measured["status"] == "ok" and measured["overhead_bytes"] > 0
+
+
 def sweep_runs(out):
     import json
     return json.loads((out / "provenance.json").read_text())["runs"]
