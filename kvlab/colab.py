@@ -16,6 +16,9 @@ BRANCH = "main"
 # shadow the user's default kernel) and every notebook names it in its metadata.
 KERNEL = {"name": "kvlab", "display_name": "Python 3 (kvlab)", "language": "python"}
 FALLBACK_KERNEL = "python3"   # jupyter_client's native kernel: the Python running papermill
+# The kernel's own log lines (unencrypted TCP on localhost, shutdown) go to our terminal, not the notebook;
+# errors still reach the notebook and the results row. Every papermill call passes these.
+QUIET_KERNEL = ["--IPKernelApp.log_level=CRITICAL"]
 
 BADGE_IMAGE = "https://colab.research.google.com/assets/colab-badge.svg"
 SETUP_TAG = "colab-setup"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import nbformat
 
-from .colab import KERNEL, SETUP_TAG, SETUP_CELL, badge, kernel_name
+from .colab import KERNEL, QUIET_KERNEL, SETUP_TAG, SETUP_CELL, badge, kernel_name
 
 ROOT = Path(__file__).resolve().parent.parent
 BADGE_LINE = re.compile(r"^.*colab-badge.*$\n?", re.MULTILINE)
@@ -29,8 +29,6 @@ BADGE_LINE = re.compile(r"^.*colab-badge.*$\n?", re.MULTILINE)
 MACHINE_PATHS = re.compile("|".join(re.escape(p) for p in sorted({str(ROOT), sys.prefix}, key=len,
                                                                   reverse=True))
                            + r"|/home/\w|/root/|/tmp/|/content/|site-packages|[A-Z]:\\\\Users")
-# The kernel's own log lines (unencrypted TCP on localhost, shutdown) go to our terminal, not the notebook.
-QUIET_KERNEL = ["--IPKernelApp.log_level=CRITICAL"]
 WARNING = re.compile(r"\w*Warning\b|^warning:", re.IGNORECASE | re.MULTILINE)
 
 

@@ -418,8 +418,6 @@ class Run:
         from .plan_summary import write_summary
         write_summary(self.plan, self.out, self.events, self.elapsed(), [data_path(s["path"]) for s in
                                                                            self.plan["compare_with"]])
-        for lock in self.out.glob("*.lock"):  # the store's file locks: nobody writes here after this run
-            lock.unlink()
         self.log(f"done in {self.elapsed():.0f}s; files: {' '.join(sorted(p.name for p in self.out.iterdir()))}")
 
     def _watch_gpu(self, stop: threading.Event) -> None:

@@ -29,6 +29,3 @@ from .point import (OOM_MESSAGES, PACKAGE_DIR, POINT_NOTEBOOK, QUIET_KERNEL, fai
                     mark_failed, new_row, run_one)
 from .store import (COLUMNS, PARAMETER_COLUMNS, RECORD_COLUMNS, STATUSES, SWEEP_COLUMNS, append_row, done_point_ids,
                     load_results, locked, record_run)
-
-# The names of the single-module sweep.py this package replaced, kept for code that used them.
-_kernel_environment = kernel_environment

@@ -13,6 +13,7 @@ import os
 import time
 from pathlib import Path
 
+from ..colab import QUIET_KERNEL
 from ..colab import kernel_name as notebook_kernel  # `kvlab` where make registered it, else python3
 from ..predict import TooBig, check_fits
 from .grid import point_id, point_label
@@ -20,8 +21,6 @@ from .grid import point_id, point_label
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 # The notebook every point runs; named here only (scripts ask: python -c "from kvlab.sweep import POINT_NOTEBOOK").
 POINT_NOTEBOOK = PACKAGE_DIR.parent / "notebooks" / "03_experiment_point.ipynb"
-# The kernel's own log lines (unencrypted TCP, shutdown) would break the progress bar; errors reach the row.
-QUIET_KERNEL = ["--IPKernelApp.log_level=CRITICAL"]
 OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
 
 
