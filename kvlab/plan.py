@@ -195,31 +195,30 @@ def warmups_of(job: dict) -> list[dict]:
     return [{**job["point"], **point} for point in job.get("warmup") or []]
 
 
+def sweep_grid_items(job: dict) -> list[str]:
+    """The job's sweep grid as `--grid` items; an empty value (e.g. a dry run's `overrides: ""`) is `none`,
+    which the sweep reads as None (no overrides), since --grid takes no empty value."""
+    items = []
+    for key, value in (job["sweep"].get("grid") or {}).items():
+        values = value if isinstance(value, list) else [value]
+        items.append(f"{key}=" + ",".join("none" if v in ("", None) else str(v) for v in values))
+    return items
+
+
 def sweep_points(job: dict) -> list[dict]:
-    """The points a sweep job will run (what `python -m kvlab sweep` expands and validates)."""
-    from .sweep import expand, load_sweep
+    """The points a sweep job will run: its command's --grid items over its file, as `python -m kvlab sweep`
+    merges and expands them."""
+    from .sweep import expand, load_sweep, merge_grid_items
     fixed, grid = load_sweep(job["sweep"]["file"]) if job["sweep"].get("file") else ({}, {})
-    for key, value in (job["sweep"].get("grid") or {}).items():  # the job's values win, as --grid does
-        fixed.pop(key, None)
-        grid.pop(key, None)
-        grid = {group: [{k: v for k, v in item.items() if k != key} if isinstance(item, dict) else item
-                        for item in items] for group, items in grid.items()}
-        if isinstance(value, list):
-            grid[key] = value
-        else:
-            fixed[key] = value
-    return expand(fixed, grid)
+    return expand(*merge_grid_items(fixed, grid, sweep_grid_items(job)))
 
 
 def sweep_command(job: dict, out: Path) -> list[str]:
     command = [sys.executable, "-m", "kvlab", "sweep"]
     if job["sweep"].get("file"):
         command.append(str(job["sweep"]["file"]))
-    for key, value in (job["sweep"].get("grid") or {}).items():
-        if value in ("", None):  # an empty value is the default (e.g. no overrides); --grid needs one
-            continue
-        values = value if isinstance(value, list) else [value]
-        command += ["--grid", f"{key}=" + ",".join(str(v) for v in values)]
+    for item in sweep_grid_items(job):
+        command += ["--grid", item]
     return command + ["--out", str(out)]
 
 

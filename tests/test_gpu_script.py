@@ -312,3 +312,24 @@ def test_the_shipped_plan_dry_run_through_the_script(tmp_path):
     rows = pd.read_csv(out / "results.csv")
     assert list(rows["status"]) == ["ok"] and list(rows["cache"]) == ["tuple"] and list(rows["preset"]) == ["toy"]
     assert "H200, DESIGN §2" in (out / "summary.md").read_text()
+
+
+@pytest.mark.parametrize("grid", [
+    {"preset": "llama2-7b", "batch": 24, "new": 200, "force": True},  # the shipped plan's c-sweep
+    {"preset": "toy", "overrides": "", "cache": ["dynamic", "prealloc"], "device": "cpu"},  # a dry run's stand-in
+])
+def test_a_sweep_jobs_points_are_what_its_command_runs(tmp_path, grid):
+    """The points the plan estimates and validates for a sweep job are the ones `python -m kvlab sweep`
+    lists for the command the plan starts (its own --dry-run, a separate process, is the witness)."""
+    from kvlab.plan import sweep_command, sweep_points
+    from kvlab.sweep import point_id, validate
+    sweep = tmp_path / "mine.yaml"
+    sweep.write_text(yaml.safe_dump({"fixed": {"overrides": "num_hidden_layers=1", "device": "meta", "prompt": 8},
+                                     "grid": {"design": [{"cache": "tuple", "loop": "v4.40"},
+                                                         {"cache": "dynamic", "loop": "v5"}], "batch": [1, 2]}}))
+    job = {"name": "s", "lane": "s", "point": {}, "sweep": {"file": str(sweep), "grid": grid}}
+    command = sweep_command(job, tmp_path / "out")
+    listed = subprocess.run([*command, "--dry-run"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert listed.returncode == 0, listed.stderr[-2000:]
+    ids = [line.split()[0] for line in listed.stdout.splitlines()[:-1]]
+    assert sorted(point_id(p) for p in validate(sweep_points(job))) == sorted(ids)
