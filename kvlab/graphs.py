@@ -256,9 +256,10 @@ def decode_variant(model, input_ids, new_tokens, runtime, cache, graphs=None, me
     return generate_graph(model, input_ids, new_tokens, runtime, graphs, meter=meter)
 
 
-def time_variants(model, input_ids, new_tokens, variants=VARIANTS, repeats: int = 3) -> dict:
+def time_variants(model, input_ids, new_tokens, variants=VARIANTS, repeats: int = 3, every: bool = False) -> dict:
     """Median seconds per decode of each variant, unmetered, the variants interleaved `repeats` times
-    (a slow moment of a shared machine hits all alike); graphs are built once, before any timing."""
+    (a slow moment of a shared machine hits all alike); graphs are built once, before any timing.
+    `every=True` returns each variant's seconds of every repeat instead, in the order they ran."""
     graphs = {variant: build_graphs(model, input_ids, new_tokens, variant[0]) for variant in variants}
     for variant in variants:  # warm-up: TorchScript's profiling executor optimises a graph on its first runs
         decode_variant(model, input_ids, min(new_tokens, 3), *variant, graphs[variant])
@@ -266,4 +267,6 @@ def time_variants(model, input_ids, new_tokens, variants=VARIANTS, repeats: int 
     for _ in range(repeats):
         for variant in variants:
             seconds[variant].append(decode_variant(model, input_ids, new_tokens, *variant, graphs[variant]).seconds)
+    if every:
+        return seconds
     return {variant: sorted(times)[len(times) // 2] for variant, times in seconds.items()}

@@ -202,3 +202,26 @@ def compare_figure(df: pd.DataFrame):
     ax.legend(loc="lower right")
     fig.tight_layout()
     return fig
+
+
+# -- the request streams of notebook 07 (kvlab.request_stream's modes) ------------------------------------
+# One colour, marker and dash per mode, in request_stream.MODES' order in every figure.
+MODE_COLORS = {"hf-static": "tab:red", "reused": "tab:blue", "reused-max": "tab:purple", "dynamic": "tab:green"}
+MODE_MARKERS = {"hf-static": "o", "reused": "s", "reused-max": "^", "dynamic": "D"}
+MODE_DASHES = {"hf-static": "", "reused": (5, 3), "reused-max": (1, 2), "dynamic": (3, 1, 1, 1)}
+
+
+def mode_lines(ax, df: pd.DataFrame, x: str, y: str, modes=None):
+    """One line per stream mode of `df` (column `mode`), in request_stream.MODES' order: its colour, dash and
+    a hollow marker that shrinks from mode to mode, so that modes whose lines coincide all stay visible."""
+    from .request_stream import MODES
+
+    present = [mode for mode in (modes or MODES) if mode in set(df["mode"])]
+    for i, mode in enumerate(present):
+        line = df[df["mode"] == mode].sort_values(x)
+        dashes = {"dashes": MODE_DASHES[mode]} if MODE_DASHES[mode] else {"linestyle": "-"}
+        ax.plot(line[x], line[y], color=MODE_COLORS[mode], marker=MODE_MARKERS[mode], markersize=11 - 2 * i,
+                fillstyle="none", markeredgewidth=1.5, linewidth=1.5, label=mode, **dashes)
+    ax.set_xlabel(x)
+    ax.legend(title="mode", loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
+    return ax

@@ -11,7 +11,7 @@ import torch
 from kvlab.conversion import conversion_cost, random_tuples, to_cache, to_tuples
 from kvlab.experiment import normalize, run_point
 from kvlab.graph_meter import ProfilerMeter
-from kvlab.graphs import RUNTIMES, VARIANTS, build_graphs, check_runtime, decode_variant, generate_graph
+from kvlab.graphs import RUNTIMES, VARIANTS, build_graphs, check_runtime, decode_variant, generate_graph, time_variants
 from kvlab.memory import LiveStorageCounter, MemoryMeter
 from kvlab.profiler import ProfiledAllocations
 
@@ -223,6 +223,14 @@ def test_a_runtime_without_a_cache_gets_the_one_it_carries():
 def test_decode_variant_runs_the_eager_references(toy, prompt):
     for cache in ("dynamic", "prealloc"):
         assert torch.equal(decode_variant(toy, prompt, 6, "eager", cache).tokens, reference(toy, prompt, 6))
+
+
+def test_time_variants_keeps_every_repeat_and_its_median(toy, prompt):
+    variants = (("eager", "dynamic"), ("convert", "dynamic"))
+    every = time_variants(toy, prompt, 2, variants=variants, repeats=3, every=True)
+    assert list(every) == list(variants) and all(len(times) == 3 and min(times) > 0 for times in every.values())
+    median = time_variants(toy, prompt, 2, variants=variants[:1], repeats=1)
+    assert set(median) == {variants[0]} and median[variants[0]] > 0
 
 
 def test_cli_measures_a_runtime_and_refuses_a_design_it_cannot_carry():
