@@ -19,7 +19,7 @@ import nbformat
 import pytest
 
 from kvlab import colab
-from kvlab.notebooks import QUIET_KERNEL, declared_parameters, problems
+from kvlab.notebooks import declared_parameters, problems
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS_DIR = ROOT / "notebooks"
@@ -51,7 +51,7 @@ def test_notebook_executes_with_tiny_parameters(path, tmp_path, monkeypatch):
     output = tmp_path / path.name
     papermill.execute_notebook(str(path), str(output), parameters=tiny_parameters(path, tmp_path),
                                kernel_name=colab.kernel_name(), cwd=str(path.parent), progress_bar=False,
-                               log_output=False, extra_arguments=QUIET_KERNEL)
+                               log_output=False, extra_arguments=colab.QUIET_KERNEL)
     executed = nbformat.read(output, as_version=4)
     errors = [o for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
@@ -144,3 +144,20 @@ def test_stamp_gives_badge_setup_cell_and_kernel_once(tmp_path, capsys):
     capsys.readouterr()
     assert main(["stamp", str(path)]) == 1
     assert capsys.readouterr().err.strip().count("\n") == 0, "a bad notebook should cost one line, no traceback"
+
+
+def test_an_empty_notebook_or_an_empty_error_costs_one_line(tmp_path, capsys, monkeypatch):
+    import kvlab.notebooks
+    from kvlab.notebooks import main
+    empty = nbformat.v4.new_notebook()
+    assert any("badge" in line for line in problems(empty, "x.ipynb"))  # reported, not an IndexError
+    path = tmp_path / "empty.ipynb"
+    nbformat.write(empty, path)
+    assert main(["stamp", str(path)]) == 1
+    assert "first cell must be markdown" in capsys.readouterr().err
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("")  # a failure with no message at all
+    monkeypatch.setattr(kvlab.notebooks, "execute", fail)
+    assert main(["run", str(path)]) == 1
+    assert capsys.readouterr().err.strip() == f"{path}: RuntimeError: (no message)"
