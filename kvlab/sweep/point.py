@@ -20,7 +20,7 @@ from .grid import point_id, point_label
 
 PACKAGE_DIR = Path(__file__).resolve().parent.parent
 # The notebook every point runs; named here only (scripts ask: python -c "from kvlab.sweep import POINT_NOTEBOOK").
-POINT_NOTEBOOK = PACKAGE_DIR.parent / "notebooks" / "03_experiment_point.ipynb"
+POINT_NOTEBOOK = PACKAGE_DIR.parent / "notebooks" / "A1_experiment_point.ipynb"
 OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
 
 
