@@ -41,8 +41,8 @@ def is_setup_cell(cell) -> bool:
 def stamp(nb, name: str):
     """Give `nb` (notebooks/<name>) the badge under its title, the setup cell as its first code cell, the
     kvlab kernelspec. Idempotent: a stamped notebook is left as it is."""
-    first = nb.cells[0]
-    if first.cell_type != "markdown" or not first.source.startswith("# "):
+    first = nb.cells[0] if nb.cells else None
+    if first is None or first.cell_type != "markdown" or not first.source.startswith("# "):
         raise ValueError(f"{name}: the first cell must be markdown starting with a '# ' title")
     title, _, rest = BADGE_LINE.sub("", first.source).partition("\n")
     first.source = f"{title}\n\n{badge(name)}\n\n{rest.lstrip(chr(10))}".rstrip("\n")
@@ -110,7 +110,7 @@ def problems(nb, name: str) -> list[str]:
         found.append(f"cells tagged 'parameters': {parameters_cells(nb)}; exactly one is needed")
     if "tiny" not in declared_parameters(nb):
         found.append("no `tiny` parameter (the test suite's quick run sets tiny=True)")
-    if badge(name) not in nb.cells[0].source:
+    if not nb.cells or badge(name) not in nb.cells[0].source:
         found.append("the first cell lacks the badge from kvlab.colab (run `stamp`)")
     if [cell.source for cell in nb.cells if is_setup_cell(cell)] != [SETUP_CELL]:
         found.append("the setup cell differs from kvlab.colab.SETUP_CELL (run `stamp`)")
@@ -174,6 +174,8 @@ def main(argv=None) -> int:
         parser.error("--output takes one notebook")
     if (args.parameter or args.output) and args.command != "run":
         parser.error("--output and --parameter belong to `run`")
+    if args.parameter and not args.output:
+        parser.error("overridden parameters would be committed: give --output for a trial run")
     failed = 0
     for path in args.notebooks:
         if args.command == "stamp":
@@ -186,12 +188,11 @@ def main(argv=None) -> int:
             print(f"stamped {path}")
             continue
         if args.command == "run":
-            if args.parameter and not args.output:
-                parser.error("overridden parameters would be committed: give --output for a trial run")
             try:
                 nb = execute(path, args.output, {k: _value(v) for k, v in args.parameter}, args.kernel)
             except Exception as error:  # papermill's PapermillExecutionError names the failing cell
-                print(f"{path}: {type(error).__name__}: {str(error).strip().splitlines()[-1]}", file=sys.stderr)
+                last_line = (str(error).strip().splitlines() or ["(no message)"])[-1]
+                print(f"{path}: {type(error).__name__}: {last_line}", file=sys.stderr)
                 failed += 1
                 continue
         else:
