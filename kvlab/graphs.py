@@ -91,7 +91,8 @@ class Graphs:
     prefill: object = None  # jit-trace: the prompt's graph (no cache in); export: the one program
     decode: object = None  # jit-trace: a step's graph (cache in, cache out)
     build_seconds: float | None = None  # None: nothing to build (eager, convert)
-    max_cache_len: int = 0
+    max_cache_len: int = 0  # prompt + new tokens - 1 it was built for: an exported static cache holds no more
+    batch: int = 0
 
 
 def _positions(rows: int, start: int, stop: int, device) -> torch.Tensor:
@@ -108,7 +109,7 @@ def build_graphs(model, input_ids: torch.Tensor, new_tokens: int, runtime: str, 
     if runtime in ("eager", "convert"):
         return Graphs(runtime)
     start = time.perf_counter()
-    graphs = Graphs(runtime, max_cache_len=input_ids.shape[1] + new_tokens - 1)
+    graphs = Graphs(runtime, max_cache_len=input_ids.shape[1] + new_tokens - 1, batch=input_ids.shape[0])
     verbosity = hf_logging.get_verbosity()
     # Tracing warns at every Python branch on a tensor's value or shape it freezes (the mask shortcuts);
     # which branches are taken is pinned by the token tests at other lengths. It also reads every
@@ -196,6 +197,11 @@ def generate_graph(model, input_ids: torch.Tensor, new_tokens: int, runtime: str
     if graphs is None:
         graphs = build_graphs(model, input_ids, new_tokens, runtime)
     rows, prompt = input_ids.shape
+    if graphs.build_seconds is not None and (graphs.runtime != runtime or graphs.batch != rows
+                                             or prompt + new_tokens - 1 > graphs.max_cache_len):
+        # Past the end of an exported static cache the write would go out of bounds: refuse instead.
+        raise ValueError(f"graphs built for runtime {graphs.runtime}, batch {graphs.batch}, {graphs.max_cache_len} "
+                         f"cached tokens cannot decode {runtime}, batch {rows}, prompt {prompt} + {new_tokens} new")
     device = input_ids.device
     tokens = input_ids
     flat, past = (), None

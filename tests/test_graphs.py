@@ -264,3 +264,15 @@ def test_the_gpu_sweep_is_valid_and_its_7b_points_are_predicted_as_on_the_twins(
         buffers = exported["terms_bytes"]["static cache buffers"]
         assert buffers == exported["kv_final_bytes"] * 799 // 800 and exported["peak_at"] == "step 0 (mlp)"
         assert ratio["export"] < ratio["jit-trace"] - 0.7, ratio
+
+
+def test_graphs_refuse_a_batch_or_length_they_were_not_built_for(toy, prompt):
+    # An exported static cache holds prompt + new - 1 tokens; a longer decode would write past its end.
+    for runtime in ("jit-trace", "export"):
+        graphs = build_graphs(toy, prompt, 4, runtime)
+        assert torch.equal(generate_graph(toy, prompt[:, :-1], 5, runtime, graphs).tokens,
+                           reference(toy, prompt[:, :-1], 5))  # as many cached tokens: fine
+        for ids, new in ((prompt, 5), (prompt[:, :-1], 6), (prompt[:2], 4), (torch.cat([prompt, prompt]), 4)):
+            with pytest.raises(ValueError, match="^graphs built for runtime .* cannot decode") as error:
+                generate_graph(toy, ids, new, runtime, graphs)
+            assert len(str(error.value).splitlines()) == 1
