@@ -145,21 +145,25 @@ def encode(model, request: Request) -> tuple[torch.Tensor, torch.Tensor | None]:
     return hidden, mask
 
 
-def generate_reference(model, request: Request, new_tokens: int, **generate_kwargs) -> torch.Tensor:
+def generate_reference(model, request: Request, new_tokens: int, whole_output: bool = False, **generate_kwargs):
     """transformers' own `model.generate()`, greedy, `new_tokens` steps: the tokens every kvlab loop must equal.
 
+    whole_output: generate()'s own output instead (`return_dict_in_generate`: its sequences, with the decoder
+    start token, and the cache it used), e.g. for `cache_implementation="static"`.
     Whisper: its own `generate()` adds language / task / timestamp logic on top of the shared loop; the
     shared loop (`GenerationMixin.generate`) is called with the encoder output, as Whisper's does.
     """
     options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, num_beams=1,
-                   **generate_kwargs)
+                   return_dict_in_generate=whole_output, **generate_kwargs)
     if is_whisper(model):
         from transformers import GenerationMixin
         hidden, _ = encode(model, request)
         start = torch.full((request.batch, 1), model.config.decoder_start_token_id, device=hidden.device)
-        return GenerationMixin.generate(model, encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
-                                        decoder_input_ids=start, **options)[:, 1:]
-    return model.generate(**request.inputs, **options)[:, 1:]
+        out = GenerationMixin.generate(model, encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
+                                       decoder_input_ids=start, **options)
+    else:
+        out = model.generate(**request.inputs, **options)
+    return out if whole_output else out[:, 1:]
 
 
 @dataclass

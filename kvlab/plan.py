@@ -27,9 +27,10 @@ allocator counters, so memory figures do not disturb each other; speed does: onl
 times cleanly). Every point is validated before anything runs. A job whose estimate exceeds the time left
 in its phase is skipped, a point likewise, a job still running at its phase's deadline is killed with all
 its processes; each of these is listed in run.log and summary.md. Points already "ok" in OUT/results.csv
-are not run again, so a second call resumes. OUT ends up flat: run.log, env.txt, results.csv (one row per
-point, kvlab.sweep's store, with job, lane and phase), provenance.json, summary.md, and sweep.tar.gz (what
-sweep jobs executed).
+are not run again, so a second call resumes (a sweep job's own sweep, in OUT/sweep/<job> while the plan runs,
+resumes likewise). OUT ends up flat: run.log, env.txt, results.csv (one row per point, kvlab.sweep's store,
+with job, lane and phase), provenance.json, summary.md, and sweep.tar.gz (OUT/sweep packed: what sweep jobs
+executed, and what the next call unpacks to resume them).
 
 Lanes are threads that each start one process at a time, not Ray tasks (kvlab.sweep's cluster engine): the
 GPU node carries only the papermill wheels (shared/DESIGN.md §5), and a lane is nothing more than a process
@@ -59,6 +60,8 @@ from pathlib import Path
 import yaml
 
 from .experiment import DEFAULTS, normalize
+from .shipped import shipped_or_path
+from .sweep import done_point_ids
 
 PLANS_DIR = Path(__file__).resolve().parent / "plans"
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,14 +73,8 @@ JOB_KEYS = {"name", "lane", "point", "points", "sweep", "fit_new", "warmup", "co
 
 # -- the plan file -------------------------------------------------------------------------------
 def plan_file(name: str | os.PathLike) -> Path:
-    path = Path(name)
-    if path.exists():
-        return path
-    shipped = PLANS_DIR / f"{path.stem}.yaml"
-    if shipped.exists():
-        return shipped
-    raise ValueError(f"plan {str(name)!r} not found; give a path or one of: "
-                     f"{', '.join(sorted(p.stem for p in PLANS_DIR.glob('*.yaml')))}")
+    """An existing path, or the name of a plan shipped in kvlab/plans/."""
+    return shipped_or_path(name, PLANS_DIR, "plan")
 
 
 def data_path(path: str) -> Path:
@@ -265,6 +262,12 @@ class Run:
         self.work = Path(tempfile.mkdtemp(prefix="kvlab-plan-"))
         out.mkdir(parents=True, exist_ok=True)
         (out / "run.log").touch()  # a rerun into the same folder (a resume) appends
+        # Each sweep job's folder (its results.csv is what its sweep resumes from) lives in OUT/sweep while the
+        # plan runs; finish() packs it into sweep.tar.gz, which a rerun unpacks (a killed run leaves the folder).
+        self.sweeps = out / "sweep"
+        if (out / "sweep.tar.gz").exists() and not self.sweeps.exists():
+            with tarfile.open(out / "sweep.tar.gz") as archive:
+                archive.extractall(out, filter="data")
 
     def elapsed(self) -> float:
         return time.time() - self.t0
@@ -311,7 +314,7 @@ class Run:
             lanes.setdefault(job["lane"], []).append(job)
         if not lanes:
             return
-        parallel = lanes_at_once(self.plan, len(lanes))
+        parallel = lanes_at_once(self.plan, len(lanes), self.log)
         self.log(f"phase {phase['name']}: {len(lanes)} lane(s), {parallel} at a time, until "
                  f"+{deadline - self.t0:.0f}s")
         gate = threading.Semaphore(parallel)
@@ -342,7 +345,8 @@ class Run:
         self.log(f"START {job['name']} (lane {job['lane']}, ≈{estimate:.0f}s{f', new={new}' if new else ''}, "
                  f"{left:.0f}s left)")
         if job.get("sweep"):
-            folder = self.work / "sweep" / job["name"]
+            folder = self.sweeps / job["name"]
+            done_before = done_point_ids(folder / "results.csv")  # its sweep skips these; not gathered again
             command = sweep_command(job, folder)
         else:
             spec = dict(points=points_of(job, new), warmup=warmups_of(job), deadline=deadline,
@@ -364,13 +368,12 @@ class Run:
         process.wait()
         timer.cancel()
         if job.get("sweep"):
-            self.gather_sweep(job, folder)
+            self.gather_sweep(job, folder, done_before)
         if process.returncode not in (0, -9, -15):
             self.log(f"FAILED {job['name']}: exit status {process.returncode} (see run.log)", event=True)
         self.log(f"END {job['name']}: exit {process.returncode} after {time.time() - started:.0f}s")
 
     def done(self) -> set[str]:
-        from .sweep import done_point_ids
         return done_point_ids(self.out / "results.csv")
 
     def kill(self, process: subprocess.Popen, job: dict) -> None:
@@ -391,20 +394,22 @@ class Run:
             with contextlib.suppress(psutil.NoSuchProcess):
                 member.kill()
 
-    def gather_sweep(self, job: dict, folder: Path) -> None:
-        """A sweep job's rows into the plan's results table (the sweep's own table goes into sweep.tar.gz)."""
+    def gather_sweep(self, job: dict, folder: Path, done_before: set[str]) -> None:
+        """The rows this call's sweep wrote into the plan's results table (the sweep's own table goes into
+        sweep.tar.gz); the points it skipped as ok already are in the plan's table from an earlier call."""
         from .sweep import load_results
         if (folder / "results.csv").exists():
             table = load_results(folder)
             for row in table.astype(object).where(table.notna(), None).to_dict("records"):
-                self.add_row(row, job)
+                if row["point_id"] not in done_before:
+                    self.add_row(row, job)
 
     def finish(self) -> None:
         from .sweep import record_run
-        sweeps = self.work / "sweep"
-        if sweeps.exists():
+        if self.sweeps.exists():
             with tarfile.open(self.out / "sweep.tar.gz", "w:gz") as archive:
-                archive.add(sweeps, arcname="sweep")
+                archive.add(self.sweeps, arcname="sweep")
+            shutil.rmtree(self.sweeps)
         shutil.rmtree(self.work, ignore_errors=True)
         if self.counts:
             from .models import resolve_device
@@ -434,15 +439,28 @@ def _nvidia_smi(query: str) -> str:
         return ""
 
 
-def lanes_at_once(plan: dict, lanes: int) -> int:
+def lanes_at_once(plan: dict, lanes: int, log=print) -> int:
     """`parallel` of the plan; auto: as many lanes as the free GPU memory holds (nvidia-smi, so that this
     process never holds a CUDA context of its own), or every lane on a CPU."""
     if plan["parallel"] != "auto":
         return min(lanes, plan["parallel"])
-    free = _nvidia_smi("memory.free").split()
-    if not free or not shutil.which("nvidia-smi"):
+    if not shutil.which("nvidia-smi"):
         return lanes
-    return max(1, min(lanes, int(free[0]) // 1024 // plan["gib_per_lane"]))
+    output = _nvidia_smi("memory.free")
+    free_mib = free_memory_mib(output)
+    if free_mib is None:  # e.g. "[N/A]" on a MIG slice: one lane is always safe
+        log(f"parallel auto: cannot read free GPU memory from nvidia-smi ({output!r}); one lane at a time")
+        return 1
+    return max(1, min(lanes, free_mib // 1024 // plan["gib_per_lane"]))
+
+
+def free_memory_mib(output: str) -> int | None:
+    """The first GPU's free MiB from `nvidia-smi --query-gpu=memory.free --format=csv,noheader,nounits`;
+    None when it is not a number (empty, "[N/A]" under MIG, an error message)."""
+    try:
+        return int(output.split()[0])
+    except (IndexError, ValueError):
+        return None
 
 
 def worker_environment(job: dict) -> dict:
@@ -471,7 +489,7 @@ def work(spec: dict) -> None:
 
     from .experiment import measure
     from .models import build_model
-    from .sweep import failure_status, point_id
+    from .sweep import mark_failed, new_row, point_id
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads()))
     built, model, step_s = None, None, spec["step_s"]
     for warmup, point in [(True, p) for p in spec["warmup"]] + [(False, p) for p in spec["points"]]:
@@ -485,9 +503,8 @@ def work(spec: dict) -> None:
         if need > left:
             print(f"SKIPPED {what}: needs ≈{need:.0f}s, {left:.0f}s left", flush=True)
             continue
-        started = datetime.datetime.now(datetime.timezone.utc)
         clock = time.perf_counter()
-        row = dict(params, point_id=key, started_at=started.isoformat(timespec="seconds"), notebook=None)
+        row = new_row(params)  # a sweep point's columns, so that both tables read alike
         try:
             if params["kind"] == "kvlab" and built != _model_key(params):
                 model, built = None, None
@@ -503,8 +520,7 @@ def work(spec: dict) -> None:
             row.update(record, status="ok", error=None)
         except Exception as error:  # a failed point is a row, not the end of the job
             traceback.print_exc()
-            name, message = type(error).__name__, " ".join(str(error).split())
-            row.update(status=failure_status(name, message), error=f"{name}: {message[-500:]}")
+            row = mark_failed(row, type(error).__name__, str(error))
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
         row["elapsed_s"] = round(time.perf_counter() - clock, 2)

@@ -28,7 +28,7 @@ import argparse
 import csv
 import datetime
 import gc
-import json
+import io
 import os
 import random
 import sys
@@ -44,6 +44,7 @@ from .compat import cache_from_outputs
 from .models import element_size, resolve_device
 from .memory import LiveStorageCounter
 from .reusable_cache import ReusableStaticCache
+from .shipped import shipped_or_path
 
 MODES = ("hf-static", "reused", "reused-max", "dynamic")
 STREAMS_DIR = Path(__file__).resolve().parent / "streams"
@@ -59,14 +60,7 @@ COLUMNS = [
 # -- what a stream is ----------------------------------------------------------------------------
 def stream_file(name: str | os.PathLike) -> Path:
     """An existing path, or the name of a stream shipped in kvlab/streams/."""
-    path = Path(name)
-    if path.exists():
-        return path
-    shipped = STREAMS_DIR / f"{Path(name).stem}.yaml"
-    if shipped.exists():
-        return shipped
-    choices = ", ".join(sorted(p.stem for p in STREAMS_DIR.glob("*.yaml")))
-    raise ValueError(f"stream file {str(name)!r} not found; give a path or one of: {choices}")
+    return shipped_or_path(name, STREAMS_DIR, "stream")
 
 
 DEFAULTS = dict(preset="t5-small", overrides="", dtype="float32", device="auto", new_tokens=16, count=12,
@@ -87,10 +81,11 @@ def load_stream(name, **overrides) -> dict:
 def check(settings: dict, name: str = "stream") -> dict:
     s = dict(settings, name=settings.get("name", name))
     encdec.build_config(s["preset"], s["overrides"])  # a bad preset or override fails here
-    for key in ("new_tokens", "count", "seed"):
-        s[key] = int(s[key])
-        if s[key] < (0 if key == "seed" else 1):
-            raise ValueError(f"{key} must be a positive integer, got {s[key]}")
+    for key in ("new_tokens", "count", "seed"):  # an integer as written: 1.5 is refused, not cut to 1
+        lowest = 0 if key == "seed" else 1
+        if isinstance(s[key], bool) or not isinstance(s[key], int) or s[key] < lowest:
+            raise ValueError(f"{key} must be {'an integer >= 0' if lowest == 0 else 'a positive integer'}, "
+                             f"got {s[key]!r}")
     for key in ("batches", "encoder_lengths"):
         values = s[key] if isinstance(s[key], list) else [s[key]]
         if not values or any(not isinstance(v, int) or v < 1 for v in values):
@@ -247,18 +242,8 @@ class Server:
         return out.tokens, out.cache
 
     def _hf_generate(self, request, new):
-        options = dict(cache_implementation="static", return_dict_in_generate=True, **self.generate_options)
-        if encdec.is_whisper(self.model):
-            from transformers import GenerationMixin
-            from transformers.modeling_outputs import BaseModelOutput
-            hidden, _ = encdec.encode(self.model, request)
-            start = torch.full((request.batch, 1), self.model.config.decoder_start_token_id, device=hidden.device)
-            out = GenerationMixin.generate(self.model, encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
-                                           decoder_input_ids=start, max_new_tokens=new, min_new_tokens=new,
-                                           do_sample=False, **options)
-        else:
-            out = self.model.generate(**request.inputs, max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                                      **options)
+        out = encdec.generate_reference(self.model, request, new, whole_output=True, cache_implementation="static",
+                                        **self.generate_options)
         return out.sequences[:, 1:], cache_from_outputs(out)
 
 
@@ -324,19 +309,21 @@ def _synchronize(device: str) -> None:
 
 # -- the results file ----------------------------------------------------------------------------
 def write_records(path: Path, records: list[dict]) -> None:
-    """Replace the stream's rows of these modes in PATH (one row per request), keep the others."""
-    rows = []
-    if path.exists():
-        with path.open(newline="") as handle:
-            done = {(r["stream"], r["mode"]) for r in records}
-            rows = [r for r in csv.DictReader(handle) if (r["stream"], r["mode"]) not in done]
-    temporary = path.with_suffix(".csv.tmp")
-    with temporary.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, COLUMNS, extrasaction="ignore", lineterminator="\n")
+    """Replace the stream's rows of these modes in PATH (one row per request), keep the others; under
+    kvlab.sweep's file lock and replaced at once, as the sweep's results.csv."""
+    from .sweep.store import locked, replace_text
+    with locked(path):
+        rows = []
+        if path.exists():
+            with path.open(newline="") as handle:
+                done = {(r["stream"], r["mode"]) for r in records}
+                rows = [r for r in csv.DictReader(handle) if (r["stream"], r["mode"]) not in done]
+        text = io.StringIO()
+        writer = csv.DictWriter(text, COLUMNS, extrasaction="ignore", lineterminator="\n")
         writer.writeheader()
         for row in rows + records:
             writer.writerow({k: "" if row.get(k) is None else row[k] for k in COLUMNS})
-    os.replace(temporary, path)
+        replace_text(path, text.getvalue())
 
 
 def load_records(path):
@@ -390,16 +377,9 @@ def main(argv=None) -> None:
 
 
 def _provenance(out: Path, command: str, settings: dict, started) -> None:
-    from .experiment import provenance
-    finished = datetime.datetime.now(datetime.timezone.utc)
-    run_info = dict(command=command, settings={k: v for k, v in settings.items()}, **provenance(settings["device"]),
-                    started_at=started.isoformat(timespec="seconds"),
-                    seconds=round((finished - started).total_seconds(), 1), cpu_count=os.cpu_count(),
-                    load_average=[round(x, 2) for x in os.getloadavg()])  # a busy shared machine slows the timings
-    run_info.pop("measured_at")
-    path = out / "provenance.json"
-    runs = json.loads(path.read_text())["runs"] if path.exists() else []
-    path.write_text(json.dumps({"results": "results.csv", "runs": runs + [run_info]}, indent=1) + "\n")
+    """This run in OUT/provenance.json, as a sweep logs its runs (load average: a busy machine slows timings)."""
+    from .sweep.store import append_run
+    append_run(out, command, started, settings["device"], settings=dict(settings))
 
 
 if __name__ == "__main__":

@@ -101,3 +101,21 @@ def test_every_default_has_a_command_line_flag():
     measure = build_parser()._subparsers._group_actions[0].choices["measure"]
     flags = {action.dest for action in measure._actions}
     assert set(DEFAULTS) - {"track_storages"} <= flags | {"overrides"}
+
+
+@pytest.mark.parametrize("module, function, what, shipped", [("kvlab.plan", "plan_file", "plan", "h200"),
+                                                             ("kvlab.sweep", "sweep_file", "sweep", "cpu-default"),
+                                                             ("kvlab.request_stream", "stream_file", "stream",
+                                                              "encdec-cpu")])
+def test_a_file_is_a_path_or_a_shipped_name_with_one_error_wording(tmp_path, module, function, what, shipped):
+    import importlib
+    from pathlib import Path
+    find = getattr(importlib.import_module(module), function)
+    mine = tmp_path / "mine.yaml"
+    mine.write_text("{}")
+    assert find(mine) == mine and find(shipped).name == f"{shipped}.yaml" and find(shipped).exists()
+    assert find(Path("somewhere/else") / f"{shipped}.yaml").name == f"{shipped}.yaml"  # its name, shipped
+    with pytest.raises(ValueError) as error:
+        find("nowhere")
+    assert str(error.value).startswith(f"{what} file 'nowhere' not found; give a path or one of: ")
+    assert shipped in str(error.value) and len(str(error.value).splitlines()) == 1

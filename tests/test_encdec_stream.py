@@ -62,9 +62,12 @@ def test_reused_cache_is_allocated_once_and_as_predicted(records):
         for r in by_mode[mode]:
             assert r["new_cache_bytes"] == r["cache_bytes"] == r["predicted_cache_bytes"] > 0
             assert r["held_bytes"] == 0
-    # The dynamic cache grows by torch.cat: it allocates more bytes than the static one for the same request.
+    # Both allocate the request's cache (above); beyond it, the dynamic cache's torch.cat copies and generate()'s
+    # own work around its static cache nearly cancel, and which allocates more depends on the sizes: t5-small in
+    # data/encdec/cpu/results.csv, dynamic 2-5 % more; this 2-layer toy, dynamic 0.1-0.7 % less.
     for static, dynamic in zip(by_mode["hf-static"], by_mode["dynamic"]):
-        assert dynamic["allocated_bytes"] > static["allocated_bytes"] - static["cache_bytes"]
+        assert (static["batch"], static["encoder_length"]) == (dynamic["batch"], dynamic["encoder_length"])
+        assert static["allocated_bytes"] * 0.99 < dynamic["allocated_bytes"] < static["allocated_bytes"]
 
 
 def test_stream_cli_refuses_bad_input_in_one_line(capsys):
@@ -86,3 +89,40 @@ def test_shipped_streams_are_valid():
         pairs = request_stream.requests(settings)
         assert len(pairs) == settings["count"] and pairs[0] == (max(settings["batches"]), max(settings["encoder_lengths"]))
     assert torch.device(request_stream.load_stream("encdec-cpu")["device"]).type == "cpu"
+
+
+def test_stream_files_are_written_under_the_sweeps_lock(tmp_path):
+    """results.csv and provenance.json wait for kvlab.sweep's file lock (another writer's), and the provenance
+    log keeps the runs before this one."""
+    import datetime
+    import json
+    import threading
+
+    from kvlab.sweep import locked
+    settings = request_stream.check(dict(request_stream.DEFAULTS, device="cpu"), name="test")
+    started = datetime.datetime.now(datetime.timezone.utc)
+    writes = {"results.csv": lambda: request_stream.write_records(tmp_path / "results.csv",
+                                                                  [dict(stream="test", mode="dynamic", request=0)]),
+              "provenance.json": lambda: request_stream._provenance(tmp_path, "first", settings, started)}
+    for name, write in writes.items():
+        with locked(tmp_path / name):  # another writer holds the file
+            writer = threading.Thread(target=write)
+            writer.start()
+            writer.join(timeout=1.0)
+            assert writer.is_alive() and not (tmp_path / name).exists()
+        writer.join(timeout=30)
+        assert not writer.is_alive() and (tmp_path / name).exists()
+    request_stream._provenance(tmp_path, "second", settings, started)
+    runs = json.loads((tmp_path / "provenance.json").read_text())["runs"]
+    assert [run["command"] for run in runs] == ["first", "second"] and runs[0]["settings"]["device"] == "cpu"
+
+
+@pytest.mark.parametrize("key, value, message", [("new_tokens", 1.5, "new_tokens must be a positive integer, got 1.5"),
+                                                 ("count", 0, "count must be a positive integer, got 0"),
+                                                 ("seed", -1, "seed must be an integer >= 0, got -1"),
+                                                 ("seed", 2.7, "seed must be an integer >= 0, got 2.7")])
+def test_counts_and_seed_are_integers_as_written(key, value, message):
+    settings = dict(request_stream.DEFAULTS, device="cpu")
+    assert request_stream.check(dict(settings, seed=0))["seed"] == 0
+    with pytest.raises(ValueError, match=f"^{message}$"):
+        request_stream.check(dict(settings, **{key: value}))

@@ -211,13 +211,57 @@ def test_bad_plans_fail_before_anything_runs(tmp_path, change, message):
 
 def test_cli_errors_are_one_line(tmp_path, capsys):
     result = kvlab_plan("nowhere", "--dry-run", "--out", tmp_path / "out")
-    assert result.returncode == 2 and result.stderr.startswith("kvlab plan: error: plan 'nowhere' not found")
+    assert result.returncode == 2 and result.stderr.startswith("kvlab plan: error: plan file 'nowhere' not found")
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1
     from kvlab.plan import main
     for args, message in ((["--budget", "10"], "leaves nothing after the"), (["--only", "zz"], "no job of")):
         with pytest.raises(SystemExit) as exit:
             main(["h200", "--dry-run", "--out", str(tmp_path / "out"), *args])
         assert exit.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("output, free", [("81000", 81000), ("81000\n40000", 81000), ("[N/A]", None),
+                                          ("", None), ("NVIDIA-SMI has failed because it couldn't communicate", None)])
+def test_free_memory_is_read_from_nvidia_smi_or_is_none(output, free):
+    from kvlab.plan import free_memory_mib
+    assert free_memory_mib(output) == free
+
+
+@pytest.mark.parametrize("output, lanes", [("[N/A]", 1), ("", 1), ("81920", 3), ("30000", 1)])
+def test_auto_parallel_falls_back_to_one_lane_when_nvidia_smi_gives_no_number(monkeypatch, output, lanes):
+    import kvlab.plan
+    monkeypatch.setattr(kvlab.plan.shutil, "which", lambda name: "/usr/bin/" + name)
+    monkeypatch.setattr(kvlab.plan, "_nvidia_smi", lambda query: output)
+    logged = []
+    # 80 GiB free, 24 GiB per lane: 3 of 4 lanes; an unreadable answer (MIG's [N/A]): one lane, and a log line
+    assert kvlab.plan.lanes_at_once({"parallel": "auto", "gib_per_lane": 24}, 4, logged.append) == lanes
+    assert bool(logged) == (output in ("[N/A]", ""))
+
+
+def test_a_failed_worker_point_is_the_sweeps_failure_row(monkeypatch, capsys):
+    """A point that raises is one row, made by kvlab.sweep's own new_row / mark_failed (its error cut as the
+    sweep cuts it), and the worker goes on."""
+    import json
+    import time
+
+    import kvlab.experiment
+    import kvlab.models
+    from kvlab.experiment import normalize
+    from kvlab.plan import ROW, work
+    from kvlab.sweep import mark_failed, new_row
+    message = "first words " + "x" * 600 + " last words"
+    def fail(model, **params):
+        raise RuntimeError(message)
+    monkeypatch.setattr(kvlab.experiment, "measure", fail)
+    monkeypatch.setattr(kvlab.models, "build_model", lambda *args: None)
+    point = dict(preset="toy", device="cpu", cache="dynamic", **TINY)
+    work(dict(points=[point, dict(point, cache="tuple")], warmup=[], deadline=time.time() + 600, step_s=0.01,
+              start_s=0, done=[]))
+    rows = [json.loads(line[len(ROW):]) for line in capsys.readouterr().out.splitlines() if line.startswith(ROW)]
+    assert [row["cache"] for row in rows] == ["dynamic", "tuple"]
+    expected = mark_failed(new_row(normalize(**point)), "RuntimeError", message)
+    assert rows[0]["status"] == expected["status"] == "failed"
+    assert rows[0]["error"] == expected["error"] and rows[0]["error"].startswith("RuntimeError: first words")
 
 
 # -- runs on this CPU -----------------------------------------------------------------------------------
@@ -281,6 +325,32 @@ def test_dry_run_of_a_small_plan_end_to_end(tmp_path):
     assert again.returncode == 0, again.stderr[-3000:]
     assert "already ok in results.csv" in (out / "run.log").read_text()
     assert len(pd.read_csv(out / "results.csv")) == len(rows)
+
+
+@pytest.mark.slow
+def test_a_second_call_does_not_rerun_a_sweep_jobs_points(tmp_path):
+    """The sweep's own resume across plan calls: its folder is packed into sweep.tar.gz and unpacked again, so
+    the second call's sweep finds its point ok and runs no notebook (the row keeps its first started_at)."""
+    plan = write_plan(tmp_path / "sweeps.yaml", {
+        "budget_s": 300, "reserve_s": 5, "step_s": 0.02, "start_s": 5, "parallel": 1,
+        "phases": [{"name": "only", "ends_before_s": 0, "jobs": [
+            {"name": "s", "lane": "a", "sweep": {"grid": {"preset": "toy", "device": "cpu", "cache": "dynamic",
+                                                          **TINY, "new": 4}}}]}]})
+    out = tmp_path / "out"
+    for call in range(2):
+        result = kvlab_plan(plan, "--out", out)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        if call == 0:
+            first = pd.read_csv(out / "results.csv")
+    assert "1 of 1 points already in" in result.stdout
+    assert sorted(path.name for path in out.iterdir()) == sorted(
+        ["env.txt", "provenance.json", "results.csv", "run.log", "summary.md", "sweep.tar.gz"])
+    again = pd.read_csv(out / "results.csv")
+    assert len(first) == 1 and (first["status"] == "ok").all()
+    assert again[["point_id", "started_at"]].equals(first[["point_id", "started_at"]])
+    with tarfile.open(out / "sweep.tar.gz") as archive:
+        notebooks = [name for name in archive.getnames() if name.endswith(".ipynb")]
+    assert len(notebooks) == 1
 
 
 @pytest.mark.slow

@@ -27,5 +27,5 @@ from .grid import (SWEEPS_DIR, expand, load_sweep, merge_grid_items, parse_grid_
                    sweep_file, validate)
 from .point import (OOM_MESSAGES, PACKAGE_DIR, POINT_NOTEBOOK, QUIET_KERNEL, failure_status, kernel_environment,
                     mark_failed, new_row, run_one)
-from .store import (COLUMNS, PARAMETER_COLUMNS, RECORD_COLUMNS, STATUSES, SWEEP_COLUMNS, append_row, done_point_ids,
-                    load_results, locked, record_run)
+from .store import (COLUMNS, PARAMETER_COLUMNS, RECORD_COLUMNS, STATUSES, SWEEP_COLUMNS, append_row, append_run,
+                    done_point_ids, load_results, locked, record_run, replace_text)

@@ -17,6 +17,7 @@ import yaml
 
 from ..experiment import DEFAULTS, is_true, normalize
 from ..models import parse_value
+from ..shipped import shipped_or_path
 
 SWEEPS_DIR = Path(__file__).resolve().parent.parent / "sweeps"
 
@@ -33,14 +34,7 @@ def parse_grid_item(item: str) -> tuple[str, list]:
 
 def sweep_file(name: str | os.PathLike) -> Path:
     """A sweep file's path: an existing path, or the name of one shipped in kvlab/sweeps/."""
-    path = Path(name)
-    if path.exists():
-        return path
-    shipped = SWEEPS_DIR / f"{Path(name).stem}.yaml"
-    if shipped.exists():
-        return shipped
-    choices = ", ".join(sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml")))
-    raise ValueError(f"sweep file {str(name)!r} not found; give a path or one of: {choices}")
+    return shipped_or_path(name, SWEEPS_DIR, "sweep")
 
 
 def load_sweep(path: str | os.PathLike) -> tuple[dict, dict]:

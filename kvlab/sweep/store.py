@@ -62,8 +62,10 @@ def _read_rows(path: Path) -> tuple[list[str], list[dict]]:
         return list(reader.fieldnames or []), list(reader)
 
 
-def _replace(path: Path, text: str) -> None:
-    """Replace the whole file at once (write a temporary file, then rename): a kill leaves old or new."""
+def replace_text(path: str | os.PathLike, text: str) -> None:
+    """Replace the whole file at once (write a temporary file, then rename): a kill leaves old or new.
+    Callers hold `locked(path)` when they read the file first, so no other writer slips in between."""
+    path = Path(path)
     temporary = path.with_name(path.name + ".tmp")
     with temporary.open("w", newline="") as handle:
         handle.write(text)
@@ -84,7 +86,7 @@ def append_row(path: str | os.PathLike, row: dict) -> None:
         if extra or previous or not path.exists():
             kept = [r for r in rows if r.get("point_id") != row["point_id"]]
             columns += extra
-            _replace(path, "".join(_csv_line(r, columns) for r in [dict(zip(columns, columns)), *kept, row]))
+            replace_text(path, "".join(_csv_line(r, columns) for r in [dict(zip(columns, columns)), *kept, row]))
             return
         # One write() of the whole line on an O_APPEND file: a kill cannot leave half a row.
         descriptor = os.open(path, os.O_WRONLY | os.O_APPEND)
@@ -114,15 +116,21 @@ def load_results(path: str | os.PathLike):
 def record_run(out: Path, command: str, points: int, counts: dict, started: datetime.datetime, device: str,
                **details) -> dict:
     """Append this run (command, machine, versions, commit, timing, engine details) to OUT/provenance.json."""
+    return append_run(out, command, started, device, points_in_sweep=points, ran=counts, **details)
+
+
+def append_run(out: str | os.PathLike, command: str, started: datetime.datetime, device: str, **details) -> dict:
+    """Append one run of any kvlab command (command, machine, versions, commit, timing, `details`) to
+    OUT/provenance.json, under the file's lock and replaced at once, so concurrent runs all stay logged."""
     from ..experiment import provenance
     finished = datetime.datetime.now(datetime.timezone.utc)
-    run = dict(command=command, points_in_sweep=points, ran=counts,
+    run = dict(command=command, **details,
                started_at=started.isoformat(timespec="seconds"), finished_at=finished.isoformat(timespec="seconds"),
                seconds=round((finished - started).total_seconds(), 1), device=device, **provenance(device),
-               cpu_count=os.cpu_count(), load_average=[round(x, 2) for x in os.getloadavg()], **details)
+               cpu_count=os.cpu_count(), load_average=[round(x, 2) for x in os.getloadavg()])
     run.pop("measured_at")
     path = Path(out) / "provenance.json"
     with locked(path):
         runs = json.loads(path.read_text())["runs"] if path.exists() else []
-        _replace(path, json.dumps({"results": "results.csv", "runs": runs + [run]}, indent=1) + "\n")
+        replace_text(path, json.dumps({"results": "results.csv", "runs": runs + [run]}, indent=1) + "\n")
     return run
