@@ -2,9 +2,9 @@
 
 The live-storage counter (kvlab.memory) sees the outputs of aten ops dispatched from Python; a
 TorchScript module runs its ops in C++ where no dispatch mode reaches. On CPU this meter reads
-PyTorch's profiler instead: every allocation and free of c10's CPU allocator, in time order (the
-same witness and the same rules as `kvlab.profiler`: only blocks allocated inside the region count),
-with a marker event at the end of each decoding step for the per-step timeline. On CUDA it is the
+PyTorch's profiler instead: every allocation and free of c10's CPU allocator, in time order, as
+`kvlab.profiler.ProfiledAllocations` reads them (only blocks allocated inside the region count), with a
+marker event at the end of each decoding step for the per-step timeline. On CUDA it is the
 allocator's own counters (`MemoryMeter` with `track_storages=False`), graph or not.
 
 It does not split the peak into kv / logits / other: the profiler knows addresses, not tensors.
@@ -12,36 +12,14 @@ It does not split the peak into kv / logits / other: the profiler knows addresse
 
 from __future__ import annotations
 
-import contextlib
-import json
-import os
-import tempfile
-
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import record_function
 
 from .memory import MemoryMeter, MemoryReport, StepMemory
 from .models import weight_bytes
-from .profiler import CPU
+from .profiler import ProfiledAllocations
 
 STEP_MARK = "kvlab.step"
-
-
-@contextlib.contextmanager
-def _quiet_stderr():
-    """Kineto (torch 2.13) writes timestamped "profiler_start/stop" lines to the process's stderr whatever
-    KINETO_LOG_LEVEL says; they would land in executed notebooks. Silence file descriptor 2 around the
-    profiler's start and stop only (not around the measured run)."""
-    import sys
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 class ProfilerMeter:
@@ -55,9 +33,7 @@ class ProfilerMeter:
         self._report: MemoryReport | None = None
 
     def __enter__(self):
-        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        with _quiet_stderr():
-            self._profile.__enter__()
+        self._allocations = ProfiledAllocations(mark=STEP_MARK).__enter__()
         return self
 
     def step(self):
@@ -69,40 +45,28 @@ class ProfilerMeter:
         """Accepted for MemoryMeter's interface; the profiler cannot tell which tensor a block is."""
 
     def __exit__(self, *exc):
-        with _quiet_stderr():
-            self._profile.__exit__(*exc)
-        with tempfile.TemporaryDirectory() as folder:
-            path = os.path.join(folder, "trace.json")
-            self._profile.export_chrome_trace(path)
-            with open(path) as file:
-                events = json.load(file)["traceEvents"]
-        del self._profile
-        self._report = self._make_report(events)
+        allocations, self._allocations = self._allocations, None
+        allocations.__exit__(*exc)
+        self._report = self._make_report(allocations)
         return False
 
-    def _make_report(self, events) -> MemoryReport:
-        marks = sorted(e["ts"] for e in events if e.get("name") == STEP_MARK)
-        memory = [e for e in events if e.get("name") == "[memory]" and e["args"]["Device Type"] == CPU]
-        memory.sort(key=lambda e: (e["ts"], e["args"]["Ev Idx"]))
-        allocated: dict[int, int] = {}  # blocks allocated in the region and still live
-        live = peak = step_peak = 0
+    def _make_report(self, allocations: ProfiledAllocations) -> MemoryReport:
+        """The per-step timeline: the region's allocations (kvlab.profiler's rules) cut at the step marks."""
+        marks = allocations.marks
+        live = step_peak = 0
         timeline: list[StepMemory] = []
-        for event in memory:
-            while len(timeline) < len(marks) and marks[len(timeline)] < event["ts"]:
+        for time, (_, nbytes) in zip(allocations.times, allocations.events):
+            while len(timeline) < len(marks) and marks[len(timeline)] < time:
                 timeline.append(StepMemory(len(timeline), live, step_peak))
                 step_peak = live
-            address, nbytes = event["args"]["Addr"], event["args"]["Bytes"]
-            if nbytes > 0:
-                allocated[address] = nbytes
-            elif allocated.pop(address, None) is None:
-                continue  # a block from before the region
             live += nbytes
-            step_peak, peak = max(step_peak, live), max(peak, live)
+            step_peak = max(step_peak, live)
         while len(timeline) < len(marks):
             timeline.append(StepMemory(len(timeline), live, step_peak))
             step_peak = live
         at_peak = {"weights": self.weights}  # no kv / logits / other: see the module docstring
-        return MemoryReport("cpu", self.method, self.weights, self.weights + peak, None, timeline, at_peak)
+        return MemoryReport("cpu", self.method, self.weights, self.weights + allocations.peak_bytes, None, timeline,
+                            at_peak)
 
     def report(self) -> MemoryReport:
         if self._report is None:

@@ -31,6 +31,7 @@ from transformers.utils import logging as hf_logging
 
 from .caches import TupleRoundTripCache, num_layers
 from .compat import cache_argument
+from .conversion import to_cache, to_tuples
 from .decode import Generation
 
 # runtime -> the cache designs it can carry (the first is its default).
@@ -225,11 +226,11 @@ def generate_graph(model, input_ids: torch.Tensor, new_tokens: int, runtime: str
             elif runtime == "convert":
                 # The maintainers' suggestion: tuples -> cache object -> forward -> tuples. 5.x's
                 # DynamicCache copies the tuples it is given, while the caller still holds them.
-                cache = DynamicCache(ddp_cache_data=past) if past else DynamicCache()
+                cache = to_cache(past) if past else DynamicCache()
                 outputs = model(input_ids=fed, position_ids=positions, use_cache=True, logits_to_keep=1,
                                 **{cache_argument(model): cache})
                 next_logits = outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32)
-                past = tuple((layer.keys, layer.values) for layer in cache.layers)  # views: no copy
+                past = to_tuples(cache)  # views: no copy
                 del cache, outputs
                 kv = past
             else:

@@ -25,8 +25,10 @@ the allocator's own counters are the meter).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import sys
 import tempfile
 
 from torch.profiler import ProfilerActivity, profile
@@ -34,29 +36,53 @@ from torch.profiler import ProfilerActivity, profile
 CPU = 0  # the "Device Type" of a [memory] event (c10::DeviceType::CPU)
 
 
+@contextlib.contextmanager
+def quiet_stderr():
+    """Kineto (torch 2.13) writes timestamped "profiler_start/stop" lines to the process's stderr whatever
+    KINETO_LOG_LEVEL says; they would land in executed notebooks. Silence file descriptor 2 around the
+    profiler's start and stop only (not around the measured run)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
 class ProfiledAllocations:
     """`with ProfiledAllocations() as p: ...` → `p.peak_bytes`, `p.live_bytes` (at exit), `p.events`.
 
-    `events` is the region's CPU allocator events in time order: (address, bytes), bytes < 0 for a free.
+    `events` is the region's CPU allocator events in time order: (address, bytes), bytes < 0 for a free;
+    `times` their profiler timestamps (µs). `mark`: the name of a `record_function` region the caller
+    opens at chosen moments (e.g. the end of each decoding step); `marks` are their timestamps.
     """
 
-    def __init__(self):
+    def __init__(self, mark: str | None = None):
+        self.mark = mark
         self.events: list[tuple[int, int]] = []
+        self.times: list[float] = []
+        self.marks: list[float] = []
         self.peak_bytes = self.live_bytes = 0
 
     def __enter__(self):
         self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._profile.__enter__()
+        with quiet_stderr():
+            self._profile.__enter__()
         return self
 
     def __exit__(self, *exc):
-        self._profile.__exit__(*exc)
+        with quiet_stderr():
+            self._profile.__exit__(*exc)
         with tempfile.TemporaryDirectory() as folder:
             path = os.path.join(folder, "trace.json")
             self._profile.export_chrome_trace(path)
             with open(path) as file:
                 trace = json.load(file)
         del self._profile
+        self.marks = sorted(e["ts"] for e in trace["traceEvents"] if self.mark and e.get("name") == self.mark)
         memory = [e for e in trace["traceEvents"] if e.get("name") == "[memory]" and e["args"]["Device Type"] == CPU]
         # Time order; "Ev Idx" (recording order) breaks ties between events in the same nanosecond.
         memory.sort(key=lambda e: (e["ts"], e["args"]["Ev Idx"]))
@@ -68,6 +94,7 @@ class ProfiledAllocations:
             elif allocated.pop(address, None) is None:
                 continue  # a block from before the region (c10 can remember one from an earlier profile)
             self.events.append((address, nbytes))
+            self.times.append(event["ts"])
             self.live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         return False
