@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The oldest transformers kvlab supports (pyproject: transformers>=5.17), in its own folder that shadows
-# the pinned one (requirements.lock) on PYTHONPATH, for the tests that are quick and touch the cache API.
+# the pinned one (requirements.lock) on PYTHONPATH, for the tests that are quick and touch the cache API (decoder, graph and encoder-decoder caches).
 #
 #   scripts/oldest-transformers.sh install          install it once into .tf-oldest/ (make does this)
 #   scripts/oldest-transformers.sh test [ARGS...]   run the subset against it (ARGS go to pytest)
@@ -16,7 +16,7 @@ TARGET=.tf-oldest
 # huggingface-hub 2.x (it declares huggingface-hub<2.0 and checks it at import); hub 1.33.0, the last 1.x,
 # needs httpx<1 (the lock has httpx 0.28.1). tokenizers 0.23, safetensors 0.8, regex, numpy, ... satisfy it.
 PINS=("transformers==$VERSION" "huggingface-hub==1.33.0")
-TESTS=(tests/test_tokens.py tests/test_memory.py tests/test_compat.py)
+TESTS=(tests/test_tokens.py tests/test_memory.py tests/test_compat.py tests/test_graphs.py tests/test_encdec.py)
 
 install() {
     if [ -e "$TARGET/.ready" ] && [ "$(cat "$TARGET/.ready")" = "${PINS[*]}" ]; then
