@@ -1,6 +1,6 @@
-"""The H200 reference points three ways: the twins on CPU, the full configs on the meta device, DESIGN §2.
+"""The H200 reference points three ways: the twins on CPU, the full configs on the meta device, DESIGN §2's H200 run.
 
-    python scripts/twin_table.py   # reads data/cpu (Llama-2 twin), data/twins (Mistral twin), data/meta
+    python scripts/twin_table.py   # reads data/cpu (Llama-2 twin), data/twins (Mistral twin), data/meta, data/design
 
 Prints a Markdown table of overhead / KV (batch 8, prompt 300, 500 new tokens, bf16) and the twin's
 deviation from the full model, which tests/test_theory.py bounds at 2 %.
@@ -11,13 +11,20 @@ from pathlib import Path
 import pandas as pd
 
 DATA = Path(__file__).resolve().parent.parent / "data"
-# shared/DESIGN.md §2: H200, bf16, random weights, CUDA allocator (measured before this repository's GPU runs).
-H200 = {("llama2-7b", "tuple", "v4.40"): "2.00 (4.40.1)", ("llama2-7b", "dynamic", "v5"): "1.016 (5.17 DynamicCache)",
-        ("llama2-7b", "static", "v5"): "1.07 (5.17 StaticCache)", ("mistral-7b", "tuple", "v4.40"): "2.13 (4.40.1)",
-        ("mistral-7b", "dynamic", "v5"): "1.018 (5.17 DynamicCache)", ("mistral-7b", "static", "v5"): "1.34 (5.17 StaticCache)"}
+# transformers' own class behind each reference point of DESIGN §2 (data/design/h200.csv, with its provenance).
+REFERENCE_CLASS = {"tuple": "", "dynamic": " DynamicCache", "static": " StaticCache"}
+
+
+def h200_labels() -> dict:
+    """'2.00 (4.40.1)', '1.016 (5.17 DynamicCache)', ...: DESIGN §2's H200 figures as written in the data file."""
+    rows = pd.read_csv(DATA / "design" / "h200.csv", dtype=str)
+    return {(row.preset, row.cache, row.loop):
+            f"{row.overhead_over_kv} ({row.release.removesuffix('.0')}{REFERENCE_CLASS[row.cache]})"
+            for row in rows.itertuples()}
 
 
 def main():
+    h200 = h200_labels()
     point = dict(batch=8, prompt=300, new=500, dtype="bfloat16", strategy="greedy")
     rows = pd.concat([pd.read_csv(DATA / folder / "results.csv") for folder in ("cpu", "twins", "meta")])
     rows = rows[(rows["status"] == "ok") & (rows[list(point)] == pd.Series(point)).all(axis=1)]
@@ -29,7 +36,7 @@ def main():
         twin, full = values.get(True), values.get(False)
         ratio = f"{twin / full:.4f}" if pd.notna(twin) and pd.notna(full) else "—"
         show = lambda value: f"{value:.4f}" if pd.notna(value) else "—"  # noqa: E731
-        print(f"| {model} | {cache} / {loop} | {show(twin)} | {show(full)} | {ratio} | {H200.get((model, cache, loop), '')} |")
+        print(f"| {model} | {cache} / {loop} | {show(twin)} | {show(full)} | {ratio} | {h200.get((model, cache, loop), '')} |")
 
 
 if __name__ == "__main__":
