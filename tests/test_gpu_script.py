@@ -77,7 +77,8 @@ def test_gpu_mode_refuses_to_install_without_a_gpu(tmp_path):
 
 
 def test_list_prints_every_job_and_runs_nothing(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path / "out"))
+    # The interpreter running the tests: a checkout without .venv (conda, CI elsewhere) has no torch in python3.
+    env = dict(os.environ, OUT=str(tmp_path / "out"), PYTHON=sys.executable)
     result = subprocess.run(["bash", str(SCRIPT), "--list"], cwd=ROOT, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
