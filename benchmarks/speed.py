@@ -2,8 +2,8 @@
 
     python benchmarks/speed.py [--preset llama2-7b-twin] [--new 500,2000,8000] [--repeats 3]
 
-Machines are noisy: every length runs each contender in turn, `--repeats` times (interleaved, so a
-slow moment hits all alike), and the table prints medians and their ratio to `dynamic`. No meter
+Machines are noisy: every length runs each contender in turn, `--repeats` times (`kvlab.timing.interleaved`,
+so a slow moment hits all alike), and the table prints medians and their ratio to `dynamic`. No meter
 runs here: the live-storage counter adds Python work to every operator, more for some designs.
 
 Where prealloc's lead comes from: every step, attention reads the whole cache in every design (the
@@ -20,6 +20,7 @@ import torch
 
 from kvlab.decode import generate
 from kvlab.models import build_model, resolve_device
+from kvlab.timing import interleaved
 
 CONTENDERS = ("dynamic", "prealloc", "static", "transformers")
 
@@ -53,17 +54,14 @@ def main():
     prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt),
                            generator=torch.Generator().manual_seed(0)).to(device)
     contenders = args.contenders.split(",")
-    for contender in contenders:  # warm-up: first calls pay for lazy initialisation
-        run(model, prompt, 4, contender)
     print(f"{args.preset} {args.dtype} on {device} ({torch.get_num_threads()} threads): batch {args.batch}, "
           f"prompt {args.prompt}; median tokens/s of {args.repeats} interleaved runs")
     print(f"{'new':>6s} " + " ".join(f"{c:>13s}" for c in contenders) + "   " +
           " ".join(f"{c + '/dyn':>15s}" for c in contenders if c != "dynamic"))
     for new in [int(n) for n in args.new.split(",")]:
-        speeds = {c: [] for c in contenders}
-        for _ in range(args.repeats):
-            for contender in contenders:
-                speeds[contender].append(args.batch * new / run(model, prompt, new, contender))
+        seconds = interleaved({c: (lambda c=c: run(model, prompt, new, c)) for c in contenders}, args.repeats,
+                              warmup={c: (lambda c=c: run(model, prompt, 4, c)) for c in contenders})
+        speeds = {c: [args.batch * new / s for s in v] for c, v in seconds.items()}
         median = {c: statistics.median(v) for c, v in speeds.items()}
         print(f"{new:6d} " + " ".join(f"{median[c]:13.1f}" for c in contenders) + "   " +
               " ".join(f"{median[c] / median['dynamic']:14.2f}x" for c in contenders if c != "dynamic"), flush=True)

@@ -33,6 +33,7 @@ from .caches import TupleRoundTripCache, num_layers
 from .compat import cache_argument
 from .conversion import to_cache, to_tuples
 from .decode import Generation
+from .timing import interleaved, median
 
 # runtime -> the cache designs it can carry (the first is its default).
 RUNTIMES = {
@@ -268,12 +269,11 @@ def time_variants(model, input_ids, new_tokens, variants=VARIANTS, repeats: int 
     (a slow moment of a shared machine hits all alike); graphs are built once, before any timing.
     `every=True` returns each variant's seconds of every repeat instead, in the order they ran."""
     graphs = {variant: build_graphs(model, input_ids, new_tokens, variant[0]) for variant in variants}
-    for variant in variants:  # warm-up: TorchScript's profiling executor optimises a graph on its first runs
-        decode_variant(model, input_ids, min(new_tokens, 3), *variant, graphs[variant])
-    seconds = {variant: [] for variant in variants}
-    for _ in range(repeats):
-        for variant in variants:
-            seconds[variant].append(decode_variant(model, input_ids, new_tokens, *variant, graphs[variant]).seconds)
+    # Warm-up with a few tokens: TorchScript's profiling executor optimises a graph on its first runs.
+    seconds = interleaved(
+        {v: (lambda v=v: decode_variant(model, input_ids, new_tokens, *v, graphs[v]).seconds) for v in variants},
+        repeats, warmup={v: (lambda v=v: decode_variant(model, input_ids, min(new_tokens, 3), *v, graphs[v]))
+                         for v in variants})
     if every:
         return seconds
-    return {variant: sorted(times)[len(times) // 2] for variant, times in seconds.items()}
+    return {variant: median(times) for variant, times in seconds.items()}
