@@ -2,7 +2,7 @@
 
     python benchmarks/graphs.py [--preset llama2-7b-twin] [--batch 4] [--prompt 100] [--new 100] [--repeats 3]
 
-1. Conversion (kvlab.conversion): tuples -> DynamicCache copies the whole cache in transformers 5.x
+1. Conversion (kvlab.graphs.conversion): tuples -> DynamicCache copies the whole cache in transformers 5.x
    (peak = one more cache, counted by the live-storage meter), cache -> tuples returns views; seconds per
    GiB, median of 5, at three cache sizes.
 2. Speed: every variant of notebook 06 (kvlab.graphs.VARIANTS) decodes the same point, interleaved
@@ -13,7 +13,7 @@ import argparse
 
 import torch
 
-from kvlab.conversion import conversion_table
+from kvlab.graphs.conversion import conversion_table
 from kvlab.graphs import VARIANTS, time_variants
 from kvlab.models import build_model
 

@@ -2,7 +2,7 @@
 
     python benchmarks/speed.py [--preset llama2-7b-twin] [--new 500,2000,8000] [--repeats 3]
 
-Machines are noisy: every length runs each contender in turn, `--repeats` times (`kvlab.timing.interleaved`,
+Machines are noisy: every length runs each contender in turn, `--repeats` times (`kvlab.lab.timing.interleaved`,
 so a slow moment hits all alike), and the table prints medians and their ratio to `dynamic`. No meter
 runs here: the live-storage counter adds Python work to every operator, more for some designs.
 
@@ -18,9 +18,9 @@ import statistics
 
 import torch
 
-from kvlab.decode import generate
+from kvlab.loops import generate
 from kvlab.models import build_model, resolve_device
-from kvlab.timing import interleaved
+from kvlab.lab.timing import interleaved
 
 CONTENDERS = ("dynamic", "prealloc", "static", "transformers")
 

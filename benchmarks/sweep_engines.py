@@ -28,7 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvlab.sweep import expand, run_sweep, validate
+from kvlab.lab.grid import expand, validate
+from kvlab.lab.engines import run_sweep
 
 
 def grid(new: list[int]) -> list[dict]:

@@ -9,10 +9,10 @@ A plan file (YAML; a path or a name in kvlab/plans/) has:
     budget_s, reserve_s      the whole run's seconds; the last reserve_s are kept for the summary
     step_s, start_s          planning estimates: seconds per decoding step, seconds to start a process
     parallel, gib_per_lane   lanes run at once: a number, or auto (free GPU GiB // gib_per_lane; CPU: all)
-    point                    parameters every point shares (the keys of kvlab.experiment.DEFAULTS)
+    point                    parameters every point shares (the keys of kvlab.lab.point.DEFAULTS)
     phases                   [{name, ends_before_s, jobs}]: one after the other; a phase ends ends_before_s
                              before the budget's end (after the reserve)
-    a job                    {name, lane, point, points: [...]} measured by kvlab.experiment.measure in one
+    a job                    {name, lane, point, points: [...]} measured by kvlab.lab.point.measure in one
                              process (a point may be kind: reference), or {name, lane, sweep: {file, grid}}
                              run by `python -m kvlab sweep`; fit_new: {max, multiple, min, step_factor} picks
                              `new` from the time left; warmup: [points] run first and not recorded;
@@ -28,11 +28,11 @@ times cleanly). Every point is validated before anything runs. A job whose estim
 in its phase is skipped, a point likewise, a job still running at its phase's deadline is killed with all
 its processes; each of these is listed in run.log and summary.md. Points already "ok" in OUT/results.csv
 are not run again, so a second call resumes (a sweep job's own sweep, in OUT/sweep/<job> while the plan runs,
-resumes likewise). OUT ends up flat: run.log, env.txt, results.csv (one row per point, kvlab.sweep's store,
+resumes likewise). OUT ends up flat: run.log, env.txt, results.csv (one row per point, kvlab.lab.store's store,
 with job, lane and phase), provenance.json, summary.md, and sweep.tar.gz (OUT/sweep packed: what sweep jobs
 executed, and what the next call unpacks to resume them).
 
-Lanes are threads that each start one process at a time, not Ray tasks (kvlab.sweep's cluster engine): the
+Lanes are threads that each start one process at a time, not Ray tasks (kvlab.lab.store's cluster engine): the
 GPU node carries only the papermill wheels (shared/DESIGN.md §5), and a lane is nothing more than a process
 with a deadline, which subprocess and psutil (to end its whole process tree) do in a few lines.
 """
@@ -59,9 +59,9 @@ from pathlib import Path
 
 import yaml
 
-from .experiment import DEFAULTS, normalize
-from .shipped import shipped_or_path
-from .sweep import done_point_ids
+from .lab.point import DEFAULTS, normalize
+from .lab.shipped import shipped_or_path
+from .lab.store import done_point_ids
 
 PLANS_DIR = Path(__file__).resolve().parent / "plans"
 ROOT = Path(__file__).resolve().parent.parent
@@ -205,7 +205,7 @@ def sweep_grid_items(job: dict) -> list[str]:
 def sweep_points(job: dict) -> list[dict]:
     """The points a sweep job will run: its command's --grid items over its file, as `python -m kvlab sweep`
     merges and expands them."""
-    from .sweep import expand, load_sweep, merge_grid_items
+    from .lab.grid import expand, load_sweep, merge_grid_items
     fixed, grid = load_sweep(job["sweep"]["file"]) if job["sweep"].get("file") else ({}, {})
     return expand(*merge_grid_items(fixed, grid, sweep_grid_items(job)))
 
@@ -283,7 +283,7 @@ class Run:
                 self.events.append(message)
 
     def add_row(self, row: dict, job: dict) -> None:
-        from .sweep import append_row
+        from .lab.store import append_row
         row = dict(row, job=job["name"], lane=job["lane"], phase=job["phase"])
         with self.lock:
             append_row(self.out / "results.csv", row)
@@ -397,7 +397,7 @@ class Run:
     def gather_sweep(self, job: dict, folder: Path, done_before: set[str]) -> None:
         """The rows this call's sweep wrote into the plan's results table (the sweep's own table goes into
         sweep.tar.gz); the points it skipped as ok already are in the plan's table from an earlier call."""
-        from .sweep import load_results
+        from .lab.store import load_results
         if (folder / "results.csv").exists():
             table = load_results(folder)
             for row in table.astype(object).where(table.notna(), None).to_dict("records"):
@@ -405,7 +405,7 @@ class Run:
                     self.add_row(row, job)
 
     def finish(self) -> None:
-        from .sweep import record_run
+        from .lab.store import record_run
         if self.sweeps.exists():
             with tarfile.open(self.out / "sweep.tar.gz", "w:gz") as archive:
                 archive.add(self.sweeps, arcname="sweep")
@@ -415,7 +415,7 @@ class Run:
             from .models import resolve_device
             device = next((job["point"].get("device", "auto") for phase in self.plan["phases"]
                            for job in phase["jobs"]), "auto")
-            from .sweep import STATUSES
+            from .lab.store import STATUSES
             record_run(self.out, self.command, sum(self.counts.values()), {**dict.fromkeys(STATUSES, 0), **self.counts},
                        datetime.datetime.fromtimestamp(self.t0, datetime.timezone.utc), resolve_device(device),
                        plan=self.plan["path"], dry_run=self.plan["dry_run"])
@@ -487,9 +487,10 @@ def work(spec: dict) -> None:
     """Measure the job's points in order, one model build per model; print one row line per point."""
     import torch
 
-    from .experiment import measure
+    from .lab.point import measure
     from .models import build_model
-    from .sweep import mark_failed, new_row, point_id
+    from .lab.runner import mark_failed, new_row
+    from .lab.grid import point_id
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or torch.get_num_threads()))
     built, model, step_s = None, None, spec["step_s"]
     for warmup, point in [(True, p) for p in spec["warmup"]] + [(False, p) for p in spec["points"]]:
@@ -555,7 +556,7 @@ def environment_report() -> str:
     lines.append(f"cuda available: {torch.cuda.is_available()} | torch.version.cuda: {torch.version.cuda}")
     if shutil.which("nvidia-smi"):
         lines += ["== nvidia-smi", subprocess.run(["nvidia-smi"], capture_output=True, text=True).stdout]
-    from .reference import RELEASES
+    from .lab.reference import RELEASES
     for version, (target, _) in RELEASES.items():
         installed = (target / f"transformers-{version}.dist-info").exists()
         lines.append(f"transformers {version} for reference points: {'in ' + str(target) if installed else 'absent'}")

@@ -42,7 +42,7 @@ def write_summary(plan: dict, out: Path, events: list[str], elapsed: float, sour
         table = pd.read_csv(results, dtype={"overrides": "string", "error": "string"})
         table = table.assign(overrides=table["overrides"].fillna(""))
     else:  # nothing ended (all skipped or killed): the same sections, empty
-        from .sweep import COLUMNS
+        from .lab.store import COLUMNS
         table = pd.DataFrame(columns=[*COLUMNS, "job", "lane", "phase"])
     ok = table[table["status"] == "ok"]
     unit = ("GiB", 2**30) if not ok.empty and ok["overhead_bytes"].max() >= 2**30 else ("MiB", 2**20)

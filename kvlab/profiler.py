@@ -2,7 +2,7 @@
 
 `torch.profiler.profile(profile_memory=True)` records every allocation and free that goes through
 c10's CPU allocator, in time order, as `[memory]` events (bytes > 0 allocated, < 0 freed, with the
-block's address). That is a different witness from `kvlab.memory.LiveStorageCounter`, which sees
+block's address). That is a different witness from `kvlab.meter.LiveStorageCounter`, which sees
 only the outputs of dispatched aten ops:
 
 - it sees what no op outputs: workspaces that a kernel allocates and frees before it returns (SDPA's

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from .decode import LOOPS
+from .loops import LOOPS
 from .models import element_size, head_dim, kv_bytes_per_token
 
 POINT_KEYS = ("cache", "loop", "strategy", "batch", "prompt", "new", "restart_new", "num_beams", "dtype",

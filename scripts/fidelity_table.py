@@ -2,14 +2,14 @@
 
     python scripts/fidelity_table.py            # toy MHA/GQA, fp32/bf16, greedy/beam(3), batch 2, prompt 16, 32 new
 
-Each release runs in its own subprocess (kvlab.reference); kvlab's loop runs here; both measured by the
+Each release runs in its own subprocess (kvlab.lab.reference); kvlab's loop runs here; both measured by the
 live-storage meter. Prints a Markdown table of overhead bytes and kvlab / real.
 """
 
 import torch
 
-from kvlab.experiment import run_point
-from kvlab.reference import INSTALLED, install_reference, measure_references
+from kvlab.lab.point import run_point
+from kvlab.lab.reference import INSTALLED, install_reference, measure_references
 
 SIZE = dict(batch=2, prompt=16, new=32)
 CONFIGS = {"MHA": "", "GQA": "num_key_value_heads=2"}

@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from kvlab.experiment import DEFAULTS
+from kvlab.lab.point import DEFAULTS
 
 RECORD_FIELDS = {"preset", "overrides", "cache", "loop", "strategy", "batch", "prompt", "new", "device", "dtype",
                  "baseline_bytes", "peak_bytes", "overhead_bytes", "reserved_peak_bytes", "kv_final_bytes",
@@ -59,7 +59,7 @@ BAD_INPUTS = [
 def test_bad_input_exits_with_one_line_naming_the_choices_before_any_model_is_built(args, names, monkeypatch,
                                                                                     capsys):
     import kvlab.models
-    from kvlab.__main__ import main
+    from kvlab.lab.cli import main
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built for bad input")
@@ -97,15 +97,15 @@ def test_predict_explains_the_peak():
 
 
 def test_every_default_has_a_command_line_flag():
-    from kvlab.__main__ import build_parser
+    from kvlab.lab.cli import build_parser
     measure = build_parser()._subparsers._group_actions[0].choices["measure"]
     flags = {action.dest for action in measure._actions}
     assert set(DEFAULTS) - {"track_storages"} <= flags | {"overrides"}
 
 
 @pytest.mark.parametrize("module, function, what, shipped", [("kvlab.plan", "plan_file", "plan", "h200"),
-                                                             ("kvlab.sweep", "sweep_file", "sweep", "cpu-default"),
-                                                             ("kvlab.request_stream", "stream_file", "stream",
+                                                             ("kvlab.lab.grid", "sweep_file", "sweep", "cpu-default"),
+                                                             ("kvlab.encdec.stream", "stream_file", "stream",
                                                               "encdec-cpu")])
 def test_a_file_is_a_path_or_a_shipped_name_with_one_error_wording(tmp_path, module, function, what, shipped):
     import importlib

@@ -19,8 +19,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kvlab.colab import QUIET_KERNEL, SETUP_TAG
-from kvlab.notebooks import declared_parameters
+from kvlab.notebook.colab import QUIET_KERNEL, SETUP_TAG
+from kvlab.notebook.tools import declared_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))

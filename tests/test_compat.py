@@ -12,7 +12,7 @@ from transformers.cache_utils import DynamicCache
 
 from kvlab.caches import CACHES, cache_length
 from kvlab.compat import cache_argument, cache_from_outputs
-from kvlab.decode import LOOPS, generate
+from kvlab.loops import LOOPS, generate
 
 OLD = "past_key_values"
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvlab import encdec
-from kvlab.reusable_cache import (ReusableStaticCache, longer_cross_attention_cache,
+from kvlab.encdec.reusable_cache import (ReusableStaticCache, longer_cross_attention_cache,
                                   static_cache_at_smaller_batch)
 
 SMALL = {

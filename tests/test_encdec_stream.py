@@ -5,9 +5,10 @@ import collections
 import pytest
 import torch
 
-from kvlab import encdec, request_stream
+from kvlab import encdec
+from kvlab.encdec import stream as request_stream
 from kvlab.profiler import ProfiledAllocations
-from kvlab.request_stream import AllocationCounter
+from kvlab.encdec.stream import AllocationCounter
 
 T5 = "num_layers=2,num_decoder_layers=2,d_model=64,d_ff=128,num_heads=4,d_kv=16,vocab_size=500"
 
@@ -71,7 +72,7 @@ def test_reused_cache_is_allocated_once_and_as_predicted(records):
 
 
 def test_stream_cli_refuses_bad_input_in_one_line(capsys):
-    from kvlab.__main__ import main
+    from kvlab.lab.cli import main
     for args, message in ((["no-such-stream"], "not found; give a path or one of: encdec-cpu"),
                           (["encdec-cpu", "--modes", "fast"], "unknown mode 'fast'; choose from: hf-static"),
                           (["encdec-whisper-cpu", "--modes", "reused-max"], "Whisper's decoder applies no encoder mask"),
@@ -92,13 +93,13 @@ def test_shipped_streams_are_valid():
 
 
 def test_stream_files_are_written_under_the_sweeps_lock(tmp_path):
-    """results.csv and provenance.json wait for kvlab.sweep's file lock (another writer's), and the provenance
+    """results.csv and provenance.json wait for kvlab.lab.store's file lock (another writer's), and the provenance
     log keeps the runs before this one."""
     import datetime
     import json
     import threading
 
-    from kvlab.sweep import locked
+    from kvlab.lab.store import locked
     settings = request_stream.check(dict(request_stream.DEFAULTS, device="cpu"), name="test")
     started = datetime.datetime.now(datetime.timezone.utc)
     writes = {"results.csv": lambda: request_stream.write_records(tmp_path / "results.csv",

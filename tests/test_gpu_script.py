@@ -19,7 +19,7 @@ import psutil
 import pytest
 import yaml
 
-from kvlab.experiment import REFERENCES
+from kvlab.lab.point import REFERENCES
 from kvlab.plan import fit_new, job_seconds, load_plan, merge, points_of
 from kvlab.plan_summary import read_data
 
@@ -117,12 +117,12 @@ def pins(path: Path) -> dict[str, str]:
 def test_the_pins_the_script_installs():
     from packaging.utils import canonicalize_name
 
-    from kvlab.reference import RELEASES
+    from kvlab.lab.reference import RELEASES
     text = SCRIPT.read_text()
     kernel, legacy = (ROOT / "scripts" / "wheelhouse-kernel.txt", ROOT / "scripts" / "wheelhouse-legacy.txt")
     assert str(kernel.relative_to(ROOT)) in text and str(legacy.relative_to(ROOT)) in text
     assert sorted(pins(kernel)) == sorted(canonicalize_name(name) for name in KERNEL_STACK)
-    assert pins(legacy) == dict(pin.split("==") for pin in RELEASES["4.40.1"][1])  # what kvlab.reference wants
+    assert pins(legacy) == dict(pin.split("==") for pin in RELEASES["4.40.1"][1])  # what kvlab.lab.reference wants
     locked = {canonicalize_name(line.split("==")[0]): line.split("==")[1].strip()
               for line in (ROOT / "requirements.lock").read_text().splitlines() if "==" in line and line[0] != "#"}
     for name, version in pins(kernel).items():
@@ -240,20 +240,20 @@ def test_auto_parallel_falls_back_to_one_lane_when_nvidia_smi_gives_no_number(mo
 
 
 def test_a_failed_worker_point_is_the_sweeps_failure_row(monkeypatch, capsys):
-    """A point that raises is one row, made by kvlab.sweep's own new_row / mark_failed (its error cut as the
+    """A point that raises is one row, made by kvlab.lab.store's own new_row / mark_failed (its error cut as the
     sweep cuts it), and the worker goes on."""
     import json
     import time
 
-    import kvlab.experiment
+    import kvlab.lab.point
     import kvlab.models
-    from kvlab.experiment import normalize
+    from kvlab.lab.point import normalize
     from kvlab.plan import ROW, work
-    from kvlab.sweep import mark_failed, new_row
+    from kvlab.lab.runner import mark_failed, new_row
     message = "first words " + "x" * 600 + " last words"
     def fail(model, **params):
         raise RuntimeError(message)
-    monkeypatch.setattr(kvlab.experiment, "measure", fail)
+    monkeypatch.setattr(kvlab.lab.point, "measure", fail)
     monkeypatch.setattr(kvlab.models, "build_model", lambda *args: None)
     point = dict(preset="toy", device="cpu", cache="dynamic", **TINY)
     work(dict(points=[point, dict(point, cache="tuple")], warmup=[], deadline=time.time() + 600, step_s=0.01,
@@ -393,7 +393,7 @@ def test_a_sweep_jobs_points_are_what_its_command_runs(tmp_path, grid):
     """The points the plan estimates and validates for a sweep job are the ones `python -m kvlab sweep`
     lists for the command the plan starts (its own --dry-run, a separate process, is the witness)."""
     from kvlab.plan import sweep_command, sweep_points
-    from kvlab.sweep import point_id, validate
+    from kvlab.lab.grid import point_id, validate
     sweep = tmp_path / "mine.yaml"
     sweep.write_text(yaml.safe_dump({"fixed": {"overrides": "num_hidden_layers=1", "device": "meta", "prompt": 8},
                                      "grid": {"design": [{"cache": "tuple", "loop": "v4.40"},

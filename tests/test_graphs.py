@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
-from kvlab.conversion import conversion_cost, random_tuples, to_cache, to_tuples
-from kvlab.experiment import normalize, run_point
-from kvlab.graph_meter import ProfilerMeter
+from kvlab.graphs.conversion import conversion_cost, random_tuples, to_cache, to_tuples
+from kvlab.lab.point import normalize, run_point
+from kvlab.graphs.meter import ProfilerMeter
 from kvlab.graphs import RUNTIMES, VARIANTS, build_graphs, check_runtime, decode_variant, generate_graph, time_variants
-from kvlab.memory import LiveStorageCounter, MemoryMeter
+from kvlab.meter import LiveStorageCounter, MemoryMeter
 from kvlab.profiler import ProfiledAllocations
 
 GRAPHS = ("jit-trace", "convert", "export")
@@ -249,7 +249,7 @@ def test_cli_measures_a_runtime_and_refuses_a_design_it_cannot_carry():
 def test_the_gpu_sweep_is_valid_and_its_7b_points_are_predicted_as_on_the_twins():
     from kvlab import theory
     from kvlab.models import build_config
-    from kvlab.sweep import expand, load_sweep, validate
+    from kvlab.lab.grid import expand, load_sweep, validate
     points = validate(expand(*load_sweep("gpu-graphs")), devices_here=False)
     assert len(points) == 10 and {p["device"] for p in points} == {"cuda"}
     assert {(p["runtime"], p["cache"]) for p in points} == set(VARIANTS)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvlab.memory import MemoryMeter
+from kvlab.meter import MemoryMeter
 from kvlab.models import weight_bytes
 
 F32 = 4

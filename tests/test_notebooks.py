@@ -2,9 +2,9 @@
 
 (a) Execution: each notebooks/*.ipynb runs top to bottom under papermill with `tiny=True` (every notebook
     declares that switch; output parameters are pointed into a tmp dir), from notebooks/ as in Jupyter.
-(b) Committed state (kvlab.notebooks.problems): executed, no error, warning or machine path in the outputs,
+(b) Committed state (kvlab.notebook.tools.problems): executed, no error, warning or machine path in the outputs,
     no papermill metadata or per-cell timestamps, the kvlab kernelspec, exactly one `parameters` cell, and
-    the badge and Colab setup cell generated from kvlab.colab's one repository URL.
+    the badge and Colab setup cell generated from kvlab.notebook.colab's one repository URL.
 (c) The README's badges and links agree with that URL and with the notebooks that exist; `make lab`
     registers the kernel under its own name, not `python3`.
 """
@@ -18,8 +18,8 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from kvlab import colab
-from kvlab.notebooks import declared_parameters, problems
+from kvlab.notebook import colab
+from kvlab.notebook.tools import declared_parameters, problems
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS_DIR = ROOT / "notebooks"
@@ -68,7 +68,7 @@ def test_committed_notebook_is_executed_and_clean(path):
     assert any(cell.get("outputs") for cell in nb.cells if cell.cell_type == "code"), (
         f"{path.name} has no outputs; commit the executed notebook")
     found = problems(nb, path.name)
-    assert not found, f"{path.name} (fix, or `python -m kvlab.notebooks run {path.name}`):\n  " + "\n  ".join(found)
+    assert not found, f"{path.name} (fix, or `python -m kvlab.notebook run {path.name}`):\n  " + "\n  ".join(found)
 
 
 def test_problems_are_found():
@@ -94,9 +94,9 @@ def test_readme_links_every_notebook_and_agrees_with_the_repository_url():
     assert linked == {p.name for p in NOTEBOOKS}, (
         f"README links {sorted(linked)}; notebooks/ has {sorted(p.name for p in NOTEBOOKS)}")
     for url in re.findall(r"https://colab\.research\.google\.com/github/[^\s)\"'>]+", readme):
-        assert url == colab.colab_url(url.rsplit("/", 1)[1]), f"README's Colab link {url} is not from kvlab.colab"
+        assert url == colab.colab_url(url.rsplit("/", 1)[1]), f"README's Colab link {url} is not from kvlab.notebook.colab"
     for url in re.findall(r"https://github\.com/[\w.-]+/[\w.-]+", readme):
-        assert url == colab.REPOSITORY, f"README names the repository {url}; kvlab.colab.REPOSITORY says {colab.REPOSITORY}"
+        assert url == colab.REPOSITORY, f"README names the repository {url}; kvlab.notebook.colab.REPOSITORY says {colab.REPOSITORY}"
 
 
 def test_colab_url_comes_from_the_repository():
@@ -126,7 +126,7 @@ def test_kernel_falls_back_on_the_native_one_where_kvlab_is_not_registered(monke
 
 
 def test_stamp_gives_badge_setup_cell_and_kernel_once(tmp_path, capsys):
-    from kvlab.notebooks import main
+    from kvlab.notebook.tools import main
 
     path = tmp_path / "09_new.ipynb"
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# 09 · New\n\nWhat you will learn."),
@@ -147,8 +147,8 @@ def test_stamp_gives_badge_setup_cell_and_kernel_once(tmp_path, capsys):
 
 
 def test_an_empty_notebook_or_an_empty_error_costs_one_line(tmp_path, capsys, monkeypatch):
-    import kvlab.notebooks
-    from kvlab.notebooks import main
+    import kvlab.notebook.tools
+    from kvlab.notebook.tools import main
     empty = nbformat.v4.new_notebook()
     assert any("badge" in line for line in problems(empty, "x.ipynb"))  # reported, not an IndexError
     path = tmp_path / "empty.ipynb"
@@ -158,6 +158,6 @@ def test_an_empty_notebook_or_an_empty_error_costs_one_line(tmp_path, capsys, mo
 
     def fail(*args, **kwargs):
         raise RuntimeError("")  # a failure with no message at all
-    monkeypatch.setattr(kvlab.notebooks, "execute", fail)
+    monkeypatch.setattr(kvlab.notebook.tools, "execute", fail)
     assert main(["run", str(path)]) == 1
     assert capsys.readouterr().err.strip() == f"{path}: RuntimeError: (no message)"

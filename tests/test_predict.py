@@ -6,12 +6,12 @@ import re
 import pytest
 
 import kvlab.models
-import kvlab.predict
+import kvlab.lab.predict
 from kvlab import theory
-from kvlab.__main__ import main
-from kvlab.experiment import DESIGNS, measure, normalize
+from kvlab.lab.cli import main
+from kvlab.lab.point import DESIGNS, measure, normalize
 from kvlab.models import build_config
-from kvlab.predict import GIB, TooBig, parse_bytes
+from kvlab.lab.predict import GIB, TooBig, parse_bytes
 
 LLAMA_PR_POINT = ["--preset", "llama2-7b", "--dtype", "bfloat16", "--batch", "8", "--prompt", "300", "--new", "500"]
 TINY = dict(preset="toy", overrides="num_hidden_layers=1", batch=1, prompt=4, new=2, device="cpu", timing=False)
@@ -93,7 +93,7 @@ def test_a_hub_id_without_network_or_local_copy(monkeypatch):
 
 # -- refusing points that cannot fit ---------------------------------------------------------------
 def test_a_point_too_big_for_free_memory_is_refused_before_any_model_is_built(monkeypatch, no_model):
-    monkeypatch.setattr(kvlab.predict, "free_bytes", lambda device: 2**20)  # 1 MiB free
+    monkeypatch.setattr(kvlab.lab.predict, "free_bytes", lambda device: 2**20)  # 1 MiB free
     with pytest.raises(TooBig) as refused:
         measure(**TINY)
     message = str(refused.value)
@@ -102,7 +102,7 @@ def test_a_point_too_big_for_free_memory_is_refused_before_any_model_is_built(mo
 
 
 def test_the_command_line_refuses_with_one_line(monkeypatch, no_model, capsys):
-    monkeypatch.setattr(kvlab.predict, "free_bytes", lambda device: 2**20)
+    monkeypatch.setattr(kvlab.lab.predict, "free_bytes", lambda device: 2**20)
     with pytest.raises(SystemExit) as exit_info:
         main(["measure", "--override", "num_hidden_layers=1", "--batch", "1", "--prompt", "4", "--new", "2"])
     assert exit_info.value.code == 2
@@ -111,26 +111,26 @@ def test_the_command_line_refuses_with_one_line(monkeypatch, no_model, capsys):
 
 
 def test_force_runs_it_anyway(monkeypatch):
-    monkeypatch.setattr(kvlab.predict, "free_bytes", lambda device: 2**20)
+    monkeypatch.setattr(kvlab.lab.predict, "free_bytes", lambda device: 2**20)
     record, _ = measure(**TINY, force=True)
     assert record["overhead_bytes"] > 0
 
 
 def test_a_point_that_fits_runs(monkeypatch):
-    monkeypatch.setattr(kvlab.predict, "free_bytes", lambda device: 2**30)
+    monkeypatch.setattr(kvlab.lab.predict, "free_bytes", lambda device: 2**30)
     record, _ = measure(**TINY)
     assert record["overhead_bytes"] > 0
 
 
 def test_with_a_model_given_only_the_overhead_has_to_fit(toy, monkeypatch):
     point = normalize(**dict(TINY, overrides=""))
-    monkeypatch.setattr(kvlab.predict, "free_bytes", lambda device: 2**20)  # less than the toy's 6 MiB of weights
-    kvlab.predict.check_fits(point, toy)  # but they are already resident, and the overhead fits
-    monkeypatch.setattr(kvlab.predict, "free_bytes", lambda device: 1000)
+    monkeypatch.setattr(kvlab.lab.predict, "free_bytes", lambda device: 2**20)  # less than the toy's 6 MiB of weights
+    kvlab.lab.predict.check_fits(point, toy)  # but they are already resident, and the overhead fits
+    monkeypatch.setattr(kvlab.lab.predict, "free_bytes", lambda device: 1000)
     with pytest.raises(TooBig, match=r"weights already loaded \+ overhead"):
-        kvlab.predict.check_fits(point, toy)
+        kvlab.lab.predict.check_fits(point, toy)
 
 
 def test_meta_is_never_refused(no_model):
     point = normalize(**dict(TINY, device="meta", overrides="vocab_size=1000000000000"))  # 4 TB of weights
-    kvlab.predict.check_fits(point)
+    kvlab.lab.predict.check_fits(point)

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 import torch
 
-import kvlab.decode as decode
+import kvlab.loops as decode
 from kvlab.caches import CACHES
-from kvlab.memory import LiveStorageCounter, MemoryMeter
+from kvlab.meter import LiveStorageCounter, MemoryMeter
 from kvlab.profiler import ProfiledAllocations, profiler_peak
 
 F32 = 4

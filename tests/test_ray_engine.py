@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import sweep
-from kvlab.sweep.ray_engine import point_resources
+from kvlab.lab.engines import run_sweep
+from kvlab.lab.grid import expand
+from kvlab.lab.store import load_results
+from kvlab.lab.ray_engine import point_resources
 
 ray = pytest.importorskip("ray")
 
@@ -45,7 +47,7 @@ def test_resources_follow_the_device():
 def test_cuda_points_on_a_cluster_without_gpus_are_refused(cluster, tmp_path):
     """A task asking for a GPU there would wait forever: the sweep says so before submitting anything."""
     with pytest.raises(ValueError, match="has 0 GPUs: its tasks would wait forever"):
-        sweep.run_sweep([dict(TINY, device="cuda")], tmp_path, engine="ray", progress=False)
+        run_sweep([dict(TINY, device="cuda")], tmp_path, engine="ray", progress=False)
     assert not (tmp_path / "results.csv").exists()
 
 
@@ -62,7 +64,7 @@ def test_killed_midway_and_resumed_gives_four_ok_rows(cluster, tmp_path):
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and driver.poll() is None:
-            if results.exists() and len(sweep.load_results(results)) >= 1:
+            if results.exists() and len(load_results(results)) >= 1:
                 break
             time.sleep(0.2)
         assert driver.poll() is None, f"the sweep ended before it could be interrupted: {driver.stderr.read()}"
@@ -72,13 +74,13 @@ def test_killed_midway_and_resumed_gives_four_ok_rows(cluster, tmp_path):
         if driver.poll() is None:
             driver.kill()
     assert driver.returncode == 130 and "interrupted; rerun the same command to resume" in stderr, stderr
-    table = sweep.load_results(results)  # a valid CSV with the points that ended
+    table = load_results(results)  # a valid CSV with the points that ended
     written = len(table)
     assert 1 <= written < 4 and (table["status"] == "ok").all() and table["point_id"].is_unique
 
     # The same grid again, from this process on the same cluster: only the missing points run.
-    points = sweep.expand(dict(TINY), {"cache": ["tuple", "dynamic"], "new": [4, 5]})
-    table = sweep.run_sweep(points, tmp_path, engine="ray", progress=False)
+    points = expand(dict(TINY), {"cache": ["tuple", "dynamic"], "new": [4, 5]})
+    table = run_sweep(points, tmp_path, engine="ray", progress=False)
     assert len(table) == 4 and table["point_id"].is_unique and (table["status"] == "ok").all()
     assert sorted(zip(table["cache"], table["new"])) == [("dynamic", 4), ("dynamic", 5), ("tuple", 4), ("tuple", 5)]
     assert (table["overhead_bytes"] > 0).all() and (table["kv_final_bytes"] > 0).all()
@@ -95,7 +97,7 @@ def test_killed_midway_and_resumed_gives_four_ok_rows(cluster, tmp_path):
 def test_a_failing_point_is_one_failure_row(cluster, tmp_path):
     points = [dict(TINY, overrides=TOO_BIG, force=True), dict(TINY, cache="tuple", loop="v4.40")]
     for run in range(2):  # the rerun retries the failed point and replaces its row
-        table = sweep.run_sweep(points, tmp_path, engine="ray", progress=False)
+        table = run_sweep(points, tmp_path, engine="ray", progress=False)
         assert len(table) == 2 and table["point_id"].is_unique
         assert sorted(table["status"]) == ["ok", "oom"]
     failed = table[table["status"] == "oom"].iloc[0]
@@ -124,7 +126,7 @@ def test_a_task_whose_worker_dies_is_one_failure_row(cluster, tmp_path):
     killer = threading.Thread(target=kill_the_tuple_point, daemon=True)
     killer.start()
     points = [dict(TINY, cache="tuple", new=400), dict(TINY, cache="dynamic")]
-    table = sweep.run_sweep(points, tmp_path, engine="ray", progress=False)
+    table = run_sweep(points, tmp_path, engine="ray", progress=False)
     killer.join(timeout=1)
     assert len(table) == 2 and table["point_id"].is_unique
     failed, measured = table.set_index("cache").loc["tuple"], table.set_index("cache").loc["dynamic"]

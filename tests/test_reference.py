@@ -1,6 +1,6 @@
 """kvlab's loops against the real releases' own generate(): 4.40.1, 4.42.4 and the installed 5.x.
 
-Each release runs in its own subprocess (kvlab.reference); kvlab's loop runs here. The same seed
+Each release runs in its own subprocess (kvlab.lab.reference); kvlab's loop runs here. The same seed
 builds the same weights and prompt on both sides, so memory and tokens can be compared point by point.
 """
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 import transformers
 
-from kvlab import reference
-from kvlab.decode import generate
-from kvlab.experiment import run_point
+from kvlab.lab import reference
+from kvlab.loops import generate
+from kvlab.lab.point import run_point
 from kvlab.models import build_model
-from kvlab.reference import INSTALLED, ReferenceInstallError, install_reference, measure_references, weights_digest
+from kvlab.lab.reference import INSTALLED, ReferenceInstallError, install_reference, measure_references, weights_digest
 
 # Small enough for a 2-core CPU (one subprocess per release runs all of its points), long enough that
 # the peak falls in decoding, where the loops differ, rather than in the prompt's forward.
@@ -153,5 +153,5 @@ def test_kvlab_loop_matches_the_release(pair, point):
 
 
 def test_cli_still_runs_the_default_release():
-    result = subprocess.run([sys.executable, "-m", "kvlab.reference", "--help"], capture_output=True, text=True, check=True)
+    result = subprocess.run([sys.executable, "-m", "kvlab.lab.reference", "--help"], capture_output=True, text=True, check=True)
     assert "--version" in result.stdout and "--cache-implementation" in result.stdout

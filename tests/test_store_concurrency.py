@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import sweep
+from kvlab.lab.store import COLUMNS, load_results
 
 ROOT = Path(__file__).resolve().parent.parent
 WRITERS, POINTS = 4, 25
@@ -23,7 +23,7 @@ WRITERS, POINTS = 4, 25
 WRITER = """
 import datetime, sys, time
 from pathlib import Path
-from kvlab.sweep import append_row, record_run
+from kvlab.lab.store import append_row, record_run
 out, writer, points = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 (out / f"ready{writer}").touch()  # imports done: start together, so that the writes overlap
 while not (out / "go").exists():
@@ -49,11 +49,11 @@ def test_concurrent_writers_keep_every_row_once(tmp_path):
     (tmp_path / "go").touch()
     for writer in writers:
         assert writer.wait(timeout=300) == 0, writer.stderr.read()
-    table = sweep.load_results(tmp_path / "results.csv")
+    table = load_results(tmp_path / "results.csv")
     expected = {f"w{w}p{n}" for w in range(WRITERS) for n in range(POINTS)}
     assert len(table) == WRITERS * POINTS and set(table["point_id"]) == expected  # none lost, none twice
     assert (table["status"] == "ok").all()
-    assert list(table.columns[:len(sweep.COLUMNS)]) == sweep.COLUMNS
+    assert list(table.columns[:len(COLUMNS)]) == COLUMNS
     extras = {column for column in table.columns if column.startswith("extra_")}
     assert len(extras) == WRITERS * len(range(0, POINTS, 5))  # every new column kept, with its value
     for column in extras:
@@ -75,7 +75,7 @@ def test_two_sweeps_into_one_folder_keep_every_row(tmp_path):
                                text=True) for new in (4, 5)]
     for process in sweeps:
         assert process.wait(timeout=300) == 0, process.stderr.read()
-    table = sweep.load_results(tmp_path)
+    table = load_results(tmp_path)
     assert len(table) == 4 and table["point_id"].is_unique and (table["status"] == "ok").all()
     assert sorted(zip(table["cache"], table["new"])) == [("dynamic", 4), ("dynamic", 5), ("tuple", 4), ("tuple", 5)]
     assert len(list((tmp_path / "notebooks").glob("*.ipynb"))) == 4

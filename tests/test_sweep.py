@@ -14,8 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from kvlab import sweep
-from kvlab.experiment import DEFAULTS
+from kvlab.lab.engines import run_sweep
+from kvlab.lab.grid import SWEEPS_DIR, expand, load_sweep, parse_grid_item, point_id, validate
+from kvlab.lab.runner import failure_status
+from kvlab.lab.store import COLUMNS, done_point_ids, load_results
+from kvlab.lab import sweep_cli
+from kvlab.lab.point import DEFAULTS
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY = dict(preset="toy", overrides="num_hidden_layers=1", batch=1, prompt=8, new=4, device="cpu")
@@ -32,18 +36,18 @@ def sweep_command(out, *grid):
 
 
 def rows_of(path):
-    return sweep.load_results(path)
+    return load_results(path)
 
 
 def test_grid_items_parse():
-    assert sweep.parse_grid_item("new=4,8") == ("new", [4, 8])
-    assert sweep.parse_grid_item("cache=tuple") == ("cache", ["tuple"])
-    assert sweep.parse_grid_item("overrides=num_hidden_layers=1,vocab_size=500") == \
+    assert parse_grid_item("new=4,8") == ("new", [4, 8])
+    assert parse_grid_item("cache=tuple") == ("cache", ["tuple"])
+    assert parse_grid_item("overrides=num_hidden_layers=1,vocab_size=500") == \
         ("overrides", ["num_hidden_layers=1,vocab_size=500"])
 
 
 def test_grid_groups_set_parameters_together():
-    points = sweep.expand({"batch": 1}, {"design": [{"cache": "tuple", "loop": "v4.40"},
+    points = expand({"batch": 1}, {"design": [{"cache": "tuple", "loop": "v4.40"},
                                                      {"cache": "dynamic", "loop": "v5"}], "new": [4, 8]})
     assert len(points) == 4
     assert {(p["cache"], p["loop"], p["new"]) for p in points} == {
@@ -65,7 +69,7 @@ def test_grid_groups_set_parameters_together():
 def test_bad_grid_exits_before_running(tmp_path, capsys, grid, message):
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_info:
-        sweep.main(["--out", str(out), *grid])
+        sweep_cli.main(["--out", str(out), *grid])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and error.startswith("kvlab sweep: error:") and message in error
@@ -88,18 +92,18 @@ def test_shipped_sweep_by_name_from_the_cli(tmp_path):
 
 
 def test_command_line_values_win_over_the_file(capsys):
-    sweep.main(["cpu-default", "--grid", "cache=dynamic", "--grid", "new=64", "--dry-run"])
+    sweep_cli.main(["cpu-default", "--grid", "cache=dynamic", "--grid", "new=64", "--dry-run"])
     listing = capsys.readouterr().out
     assert "8 points" not in listing and "3 points" in listing  # the dynamic cache's three loops, one size
     assert "_dynamic_v4.40_" in listing and "_dynamic_v5_" in listing and "_n64_" in listing
 
 
 def test_shipped_sweeps_are_valid():
-    for path in sorted(sweep.SWEEPS_DIR.glob("*.yaml")):
-        fixed, grid = sweep.load_sweep(path)
-        points = sweep.expand(fixed, grid)
+    for path in sorted(SWEEPS_DIR.glob("*.yaml")):
+        fixed, grid = load_sweep(path)
+        points = expand(fixed, grid)
         assert points, path.name
-        sweep.validate(points, devices_here=False)  # CUDA is absent here; the rest must still validate
+        validate(points, devices_here=False)  # CUDA is absent here; the rest must still validate
 
 
 @pytest.mark.slow
@@ -141,10 +145,10 @@ def test_resume_after_kill_gives_one_row_per_point(tmp_path):
 def test_out_of_memory_point_is_a_row_and_the_sweep_goes_on(tmp_path):
     out = tmp_path / "oom"
     points = [dict(TINY, overrides=TOO_BIG, force=True), dict(TINY, cache="tuple", loop="v4.40")]
-    table = sweep.run_sweep(points, out, progress=False)
+    table = run_sweep(points, out, progress=False)
 
     # The schema: fixed columns in a fixed order, sweep provenance first, every parameter, every record field.
-    assert list(table.columns) == sweep.COLUMNS
+    assert list(table.columns) == COLUMNS
     assert set(DEFAULTS) <= set(table.columns)
     for field in ("overhead_bytes", "kv_final_bytes", "overhead_over_kv", "predicted_overhead_bytes",
                   "tokens_per_s", "device_name", "git_commit", "measured_at", "torch_version"):
@@ -159,7 +163,7 @@ def test_out_of_memory_point_is_a_row_and_the_sweep_goes_on(tmp_path):
     assert measured["device"] == "cpu" and measured["loop"] == "v4.40"
 
     # A rerun retries only the failed point and replaces its row instead of adding one.
-    table = sweep.run_sweep(points, out, progress=False, command="rerun")
+    table = run_sweep(points, out, progress=False, command="rerun")
     assert list(table["status"]) == ["ok", "oom"] and table["point_id"].is_unique
 
     runs = json.loads((out / "provenance.json").read_text())["runs"]
@@ -176,12 +180,12 @@ def test_a_point_predicted_not_to_fit_is_a_too_big_row_and_rerun(tmp_path, monke
         raise AssertionError("a refused point started a kernel")
     monkeypatch.setattr(papermill, "execute_notebook", no_kernel)
     points = [dict(TINY, overrides=TOO_BIG)]
-    table = sweep.run_sweep(points, tmp_path, progress=False)
+    table = run_sweep(points, tmp_path, progress=False)
     [row] = table.itertuples()
     assert row.status == "too-big" and row.overrides == TOO_BIG and not row.force
     assert row.error.startswith("predicted peak ") and " free on cpu; pass --force" in row.error
-    assert sweep.done_point_ids(tmp_path / "results.csv") == set()  # a failure: retried on a rerun
-    table = sweep.run_sweep(points, tmp_path, progress=False)
+    assert done_point_ids(tmp_path / "results.csv") == set()  # a failure: retried on a rerun
+    table = run_sweep(points, tmp_path, progress=False)
     assert list(table["status"]) == ["too-big"]
     runs = json.loads((tmp_path / "provenance.json").read_text())["runs"]
     assert [run["ran"]["too-big"] for run in runs] == [1, 1]
@@ -190,22 +194,22 @@ def test_a_point_predicted_not_to_fit_is_a_too_big_row_and_rerun(tmp_path, monke
 def test_point_ids_of_stored_results_stay():
     """Parameters added later (kind, runtime) at their defaults leave ids as they were: data/cpu's rows
     (measured before those existed) keep their ids, so they still join and a rerun still skips them."""
-    stored = sweep.load_results(ROOT / "data" / "cpu" / "results.csv")
+    stored = load_results(ROOT / "data" / "cpu" / "results.csv")
     assert "029bfa443c7c" in set(stored["point_id"])
-    [point] = sweep.validate([dict(preset="llama2-7b-twin", cache="tuple", loop="v4.40", batch=8, prompt=300,
+    [point] = validate([dict(preset="llama2-7b-twin", cache="tuple", loop="v4.40", batch=8, prompt=300,
                                    new=500, device="cpu", dtype="bfloat16")])
-    assert sweep.point_id(point) == "029bfa443c7c"
-    assert sweep.point_id(dict(point, runtime="jit-trace")) != "029bfa443c7c"
+    assert point_id(point) == "029bfa443c7c"
+    assert point_id(dict(point, runtime="jit-trace")) != "029bfa443c7c"
 
 
 def test_force_does_not_change_the_point_id():
-    point = sweep.validate([TINY])[0]
-    assert sweep.point_id(point) == sweep.point_id(dict(point, force=True))
+    point = validate([TINY])[0]
+    assert point_id(point) == point_id(dict(point, force=True))
 
 
 def test_unknown_engine_is_refused(tmp_path):
     with pytest.raises(ValueError, match="choose one of local, ray"):
-        sweep.run_sweep([TINY], tmp_path, engine="dask", progress=False)
+        run_sweep([TINY], tmp_path, engine="dask", progress=False)
     assert not (tmp_path / "results.csv").exists()
 
 
@@ -215,15 +219,15 @@ def test_cuda_points_validated_for_other_machines():
     import torch
     if torch.cuda.is_available():
         pytest.skip("checks the driver without a GPU")
-    [point] = sweep.validate([dict(TINY, device="cuda")], devices_here=False)
+    [point] = validate([dict(TINY, device="cuda")], devices_here=False)
     assert point["device"] == "cuda" and point["track_storages"] is False and point["timing"] is True
     with pytest.raises(ValueError, match="no CUDA GPU is available"):
-        sweep.validate([dict(TINY, device="cuda")])
+        validate([dict(TINY, device="cuda")])
     with pytest.raises(ValueError, match="unknown cache"):
-        sweep.validate([dict(TINY, device="cuda", cache="paged")], devices_here=False)
+        validate([dict(TINY, device="cuda", cache="paged")], devices_here=False)
 
 
 def test_failure_status():
-    assert sweep.failure_status("OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.00 GiB") == "oom"
-    assert sweep.failure_status("RuntimeError", "DefaultCPUAllocator: can't allocate memory") == "oom"
-    assert sweep.failure_status("ValueError", "unknown cache") == "failed"
+    assert failure_status("OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.00 GiB") == "oom"
+    assert failure_status("RuntimeError", "DefaultCPUAllocator: can't allocate memory") == "oom"
+    assert failure_status("ValueError", "unknown cache") == "failed"

@@ -10,9 +10,9 @@ import torch
 from kvlab import theory
 from kvlab.caches import CACHES, cache_tensors, make_cache
 from kvlab.compat import cache_argument
-from kvlab.decode import _reorder_layers_in_place, _reorder_tuple_copy
-from kvlab.experiment import DESIGNS, measure, run_point
-from kvlab.memory import MemoryMeter
+from kvlab.loops import _reorder_layers_in_place, _reorder_tuple_copy
+from kvlab.lab.point import DESIGNS, measure, run_point
+from kvlab.meter import MemoryMeter
 from kvlab.models import build_model
 
 CACHE_DOMINATED = dict(batch=8, prompt=64, new=256, timing=False)

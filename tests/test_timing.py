@@ -1,6 +1,6 @@
-"""kvlab.timing.interleaved runs the contenders in turn, after one warm-up each, and keeps every repeat."""
+"""kvlab.lab.timing.interleaved runs the contenders in turn, after one warm-up each, and keeps every repeat."""
 
-from kvlab.timing import interleaved, median
+from kvlab.lab.timing import interleaved, median
 
 
 def test_contenders_run_in_turn_after_one_warm_up_each():

@@ -5,7 +5,7 @@ import torch
 
 from kvlab.caches import CACHES, ListLayer, PreallocLayer, make_cache
 from kvlab.compat import cache_argument
-from kvlab.decode import LOOPS, generate
+from kvlab.loops import LOOPS, generate
 
 
 def reference(model, prompt, new, **kwargs):

@@ -1,6 +1,6 @@
 """The figures: the PR's benchmark plots redrawn from a results table, and the main job's bars.
 
-Each function takes the table `kvlab.sweep.load_results` returns (one row per point) and returns a
+Each function takes the table `kvlab.lab.store.load_results` returns (one row per point) and returns a
 Figure or a DataFrame. Measurements are solid lines, `kvlab.theory`'s prediction thin black dashes over them,
 and the final KV cache (1x and 2x) in grey: the tuple cache of v4.40 should sit on 2x, the
 one-object designs near 1x.
@@ -12,8 +12,9 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from . import experiment, theory
-from .models import build_config
+from ..lab import point as experiment
+from .. import theory
+from ..models import build_config
 
 MIB, GIB = 2**20, 2**30
 SIZES = ("new", "batch", "prompt")
@@ -204,7 +205,7 @@ def compare_figure(df: pd.DataFrame):
     return fig
 
 
-# -- the request streams of notebook 07 (kvlab.request_stream's modes) ------------------------------------
+# -- the request streams of notebook 07 (kvlab.encdec.stream's modes) ------------------------------------
 # One colour, marker and dash per mode, in request_stream.MODES' order in every figure.
 MODE_COLORS = {"hf-static": "tab:red", "reused": "tab:blue", "reused-max": "tab:purple", "dynamic": "tab:green"}
 MODE_MARKERS = {"hf-static": "o", "reused": "s", "reused-max": "^", "dynamic": "D"}
@@ -214,7 +215,7 @@ MODE_DASHES = {"hf-static": "", "reused": (5, 3), "reused-max": (1, 2), "dynamic
 def mode_lines(ax, df: pd.DataFrame, x: str, y: str, modes=None):
     """One line per stream mode of `df` (column `mode`), in request_stream.MODES' order: its colour, dash and
     a hollow marker that shrinks from mode to mode, so that modes whose lines coincide all stay visible."""
-    from .request_stream import MODES
+    from ..encdec.stream import MODES
 
     present = [mode for mode in (modes or MODES) if mode in set(df["mode"])]
     for i, mode in enumerate(present):

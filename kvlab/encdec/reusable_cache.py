@@ -30,7 +30,7 @@ import torch
 from transformers import EncoderDecoderCache
 from transformers.cache_utils import Cache, StaticLayer
 
-from .encdec import decoder_shape, is_whisper
+from . import decoder_shape, is_whisper
 
 SHAPES = ("exact", "max")
 
@@ -149,7 +149,7 @@ class ReusableStaticCache:
 # -- what goes wrong without it: transformers' StaticCache reused as is ----------------------------------
 def _scores(model, request, new_tokens, cache=None, **kwargs):
     if cache is not None:  # generate() takes the cache under the forward's name (5.24: cache, 5.17: past_key_values)
-        from .compat import cache_argument
+        from ..compat import cache_argument
         kwargs[cache_argument(model)] = cache
     out = model.generate(**request.inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
                          output_scores=True, return_dict_in_generate=True, **kwargs)
@@ -159,7 +159,7 @@ def _scores(model, request, new_tokens, cache=None, **kwargs):
 def static_cache_at_smaller_batch(model, max_batch: int, batch: int, encoder_length: int, new_tokens: int) -> str:
     """Fill transformers' `StaticCache` pair at `max_batch`, reset it, reuse it at `batch`: the error's text."""
     from transformers import StaticCache
-    from .encdec import make_request
+    from . import make_request
     config = model.config
     cache = EncoderDecoderCache(StaticCache(config, max_cache_len=new_tokens),
                                 StaticCache(config, max_cache_len=encoder_length))
@@ -177,7 +177,7 @@ def longer_cross_attention_cache(model, batch: int, encoder_length: int, cache_l
     encoder input right-padded to `cache_length` and masked; each against `generate()`'s own cache.
     Returns the largest |score difference| over every step and the share of tokens that still agree."""
     from transformers import StaticCache
-    from .encdec import make_request
+    from . import make_request
 
     def cache():
         return EncoderDecoderCache(StaticCache(model.config, max_cache_len=new_tokens),

@@ -4,11 +4,11 @@ Releases older than the installed transformers 5 cannot share its process, so ea
 its own folder (`pip --target`, no dependencies resolved, with the libraries it was released with)
 and runs in a subprocess with that folder first on PYTHONPATH. The installed 5.x runs in a
 subprocess too, through the same worker, so every reference is measured the same way: a fresh
-process that imports only `kvlab.memory` (plain torch), builds the preset with that release's own
+process that imports only `kvlab.meter` (plain torch), builds the preset with that release's own
 classes and prints one JSON record.
 
-    python -m kvlab.reference --version 4.42.4 --preset toy --batch 8 --prompt 64 --new 512
-    python -m kvlab.reference --version installed --strategy beam --num-beams 4 --cache-implementation static
+    python -m kvlab.lab.reference --version 4.42.4 --preset toy --batch 8 --prompt 64 --new 512
+    python -m kvlab.lab.reference --version installed --strategy beam --num-beams 4 --cache-implementation static
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 INSTALLED = "installed"  # the transformers 5.x of this environment
 
 # Each old release with the pins it needs, into its own folder. 4.40.1 imports fine next to numpy 2;
@@ -80,7 +80,7 @@ def measure_reference(version: str = "4.40.1", preset: str = "toy", overrides=No
 def measure_references(version: str, points: list[dict]) -> list[dict]:
     """Several points (dicts of `measure_reference`'s keywords) in one subprocess: the release is imported
     once, and each point still builds its own model and prompt."""
-    from .models import build_config, kv_bytes_per_token, parse_dtype, parse_overrides
+    from ..models import build_config, kv_bytes_per_token, parse_dtype, parse_overrides
     specs = []
     for point in points:
         unknown = set(point) - set(POINT_DEFAULTS)
@@ -103,7 +103,7 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
     target = install_reference(version)
     path = [str(ROOT)] if target is None else [str(target), str(ROOT)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    result = subprocess.run([sys.executable, "-m", "kvlab.reference", "--worker", json.dumps(dict(version=version,
+    result = subprocess.run([sys.executable, "-m", "kvlab.lab.reference", "--worker", json.dumps(dict(version=version,
                             points=specs))], env=env, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"transformers {version} run failed:\n{result.stderr[-3000:]}")
@@ -131,7 +131,7 @@ def _worker(job: dict) -> list[dict]:
     if job["version"] != INSTALLED and version != job["version"]:
         raise RuntimeError(f"asked for transformers {job['version']}, imported {version} from {transformers.__file__}")
     # Memory does not depend on the thread count; one thread keeps OpenMP from spinning against
-    # other processes on a small CPU (kvlab.sweep does the same).
+    # other processes on a small CPU (kvlab's sweep does the same).
     torch.set_num_threads(1)
     return [dict(_measure_point(spec), transformers_version=version, torch_version=torch.__version__)
             for spec in job["points"]]
@@ -144,7 +144,7 @@ def _measure_point(spec: dict) -> dict:
     import transformers
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from kvlab.memory import MemoryMeter
+    from ..meter import MemoryMeter
 
     before_5 = int(transformers.__version__.split(".")[0]) < 5
     dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
@@ -159,7 +159,7 @@ def _measure_point(spec: dict) -> dict:
     model.eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    # As kvlab.experiment.measure draws the prompt; the prompt and its mask exist before the meter starts.
+    # As kvlab.lab.point.measure draws the prompt; the prompt and its mask exist before the meter starts.
     generator = torch.Generator().manual_seed(spec["seed"])
     ids = torch.randint(0, config.vocab_size, (spec["batch"], spec["prompt"]), generator=generator).to(spec["device"])
     mask = torch.ones_like(ids)

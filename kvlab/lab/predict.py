@@ -15,8 +15,8 @@ import re
 
 import torch
 
-from . import theory
-from .models import PRESETS, is_hub_id, load_config, parse_dtype, weight_bytes
+from .. import theory
+from ..models import PRESETS, is_hub_id, load_config, parse_dtype, weight_bytes
 
 GIB = 2**30
 # Decoders whose layers kvlab.theory walks through (attention with grouped KV heads, gated MLP).

@@ -2,7 +2,7 @@
 cell, and the Jupyter kernel the notebooks name.
 
 REPOSITORY is the one place that says where the project lives; every badge and setup cell is generated
-from it (`python -m kvlab.notebooks stamp notebooks/*.ipynb`) and tests/test_notebooks.py checks they agree.
+from it (`python -m kvlab.notebook stamp notebooks/*.ipynb`) and tests/test_notebooks.py checks they agree.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ from transformers import (BartConfig, BartForConditionalGeneration, DynamicCache
                           T5ForConditionalGeneration, WhisperConfig, WhisperForConditionalGeneration)
 from transformers.modeling_outputs import BaseModelOutput
 
-from .compat import cache_argument
-from .models import check_device, parse_dtype, parse_overrides
+from ..compat import cache_argument
+from ..models import check_device, parse_dtype, parse_overrides
 
 # Public config values (each model's config.json on the Hugging Face hub). T5Config() and WhisperConfig()
 # default to google-t5/t5-small and openai/whisper-tiny; BartConfig() defaults to bart-large's widths.
@@ -184,7 +184,7 @@ def generate(model, request: Request, new_tokens: int, cache=None, *, step=None,
 
     cache: an `EncoderDecoderCache` (default: a dynamic one), or an object with `for_request(batch,
         encoder_output, encoder_mask, new_tokens)` returning (cache, encoder output, encoder mask), such as
-        `kvlab.reusable_cache.ReusableStaticCache` (which may pad the encoder output to its own length).
+        `kvlab.encdec.reusable_cache.ReusableStaticCache` (which may pad the encoder output to its own length).
     step: the decoder forward for steps after the first, `step(model, tokens, hidden, mask, cache) -> logits`
         (e.g. a `torch.compile`d `decoder_step`); the first step (which fills the cross-attention cache) is eager.
     encoder_output: (hidden, mask) already computed, to skip the encoder.

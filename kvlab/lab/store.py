@@ -19,7 +19,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from ..experiment import DEFAULTS
+from .point import DEFAULTS
 
 # Fixed column order, so rows appended by different runs (and failure rows) stay aligned.
 SWEEP_COLUMNS = ["point_id", "status", "error", "started_at", "elapsed_s", "notebook"]
@@ -122,7 +122,7 @@ def record_run(out: Path, command: str, points: int, counts: dict, started: date
 def append_run(out: str | os.PathLike, command: str, started: datetime.datetime, device: str, **details) -> dict:
     """Append one run of any kvlab command (command, machine, versions, commit, timing, `details`) to
     OUT/provenance.json, under the file's lock and replaced at once, so concurrent runs all stay logged."""
-    from ..experiment import provenance
+    from .point import provenance
     finished = datetime.datetime.now(datetime.timezone.utc)
     run = dict(command=command, **details,
                started_at=started.isoformat(timespec="seconds"), finished_at=finished.isoformat(timespec="seconds"),

@@ -1,6 +1,6 @@
-"""A memory meter for decoders run as graphs, with `kvlab.memory.MemoryMeter`'s interface.
+"""A memory meter for decoders run as graphs, with `kvlab.meter.MemoryMeter`'s interface.
 
-The live-storage counter (kvlab.memory) sees the outputs of aten ops dispatched from Python; a
+The live-storage counter (kvlab.meter) sees the outputs of aten ops dispatched from Python; a
 TorchScript module runs its ops in C++ where no dispatch mode reaches. On CPU this meter reads
 PyTorch's profiler instead: every allocation and free of c10's CPU allocator, in time order, as
 `kvlab.profiler.ProfiledAllocations` reads them (only blocks allocated inside the region count), with a
@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
-from .memory import MemoryMeter, MemoryReport, StepMemory
-from .models import weight_bytes
-from .profiler import ProfiledAllocations
+from ..meter import MemoryMeter, MemoryReport, StepMemory
+from ..models import weight_bytes
+from ..profiler import ProfiledAllocations
 
 STEP_MARK = "kvlab.step"
 

@@ -14,7 +14,7 @@ all; the supported route to a graph is `torch.export` with a static cache. The r
 - export:    `torch.export` of transformers' own `TorchExportableModuleWithStaticCache`
              (transformers.integrations.executorch): the static cache is a set of buffers of the
              program, updated in place (`index_copy_`), one program for the prompt and every step.
-- eager:     kvlab's own loop (kvlab.decode) with any cache design, `dynamic` and `prealloc` as references.
+- eager:     kvlab's own loop (kvlab.loops) with any cache design, `dynamic` and `prealloc` as references.
 
 Every runtime decodes greedily as transformers 5.x's `generate()` does and gives its exact tokens.
 """
@@ -29,11 +29,11 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging as hf_logging
 
-from .caches import TupleRoundTripCache, num_layers
-from .compat import cache_argument
+from ..caches import TupleRoundTripCache, num_layers
+from ..compat import cache_argument
 from .conversion import to_cache, to_tuples
-from .decode import Generation
-from .timing import interleaved, median
+from ..loops import Generation
+from ..lab.timing import interleaved, median
 
 # runtime -> the cache designs it can carry (the first is its default).
 RUNTIMES = {
@@ -186,14 +186,14 @@ def _fresh_cache_buffers(module) -> list[torch.Tensor]:
 
 def generate_graph(model, input_ids: torch.Tensor, new_tokens: int, runtime: str, graphs: Graphs | None = None,
                    meter=None) -> Generation:
-    """Greedy decoding of `new_tokens` tokens through `runtime` (not `eager`: see kvlab.decode).
+    """Greedy decoding of `new_tokens` tokens through `runtime` (not `eager`: see kvlab.loops).
 
     As 5.x's `generate()` loop: the next-token logits are an fp32 copy held until the next step's
     forward returns. `graphs` from `build_graphs` (built here, unmetered, if not given).
     """
     check_runtime(runtime)
     if runtime == "eager":
-        raise ValueError("runtime 'eager' decodes with kvlab.decode.generate")
+        raise ValueError("runtime 'eager' decodes with kvlab.loops.generate")
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be positive, got {new_tokens}")
     if graphs is None:
@@ -259,7 +259,7 @@ def decode_variant(model, input_ids, new_tokens, runtime, cache, graphs=None, me
     """One greedy decode of a variant: kvlab's v5 loop for `eager`, a graph runtime otherwise."""
     check_runtime(runtime, cache)
     if runtime == "eager":
-        from .decode import generate
+        from ..loops import generate
         return generate(model, input_ids, new_tokens, cache=cache, loop="v5", meter=meter)
     return generate_graph(model, input_ids, new_tokens, runtime, graphs, meter=meter)
 

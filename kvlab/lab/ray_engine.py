@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 from .grid import point_label
-from .point import kernel_environment, mark_failed, new_row, run_one
+from .runner import kernel_environment, mark_failed, new_row, run_one
 
 
 def point_resources(params: dict, num_cpus: float | None = None, num_gpus: float | None = None) -> dict:

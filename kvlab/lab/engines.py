@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from .grid import point_id, point_label, points_of, validate
-from .point import POINT_NOTEBOOK, kernel_environment, run_one
+from .runner import POINT_NOTEBOOK, kernel_environment, run_one
 from .store import STATUSES, append_row, done_point_ids, load_results, record_run
 
 
@@ -43,7 +43,7 @@ def run_sweep(points_or_grid, out, *, fixed: dict | None = None, notebook: str |
 
     `points_or_grid`: a list of parameter dicts, a grid {key: [values]} (product, on top of `fixed`),
     or the path / shipped name of a sweep file. Every point is validated before the first one runs.
-    `engine`: "local" (default) or "ray" (options: address, num_cpus, num_gpus; see kvlab.sweep.ray_engine).
+    `engine`: "local" (default) or "ray" (options: address, num_cpus, num_gpus; see kvlab.lab.ray_engine).
     Each run is logged in OUT/provenance.json with `command` (default: this call, spelled out).
     """
     from tqdm.auto import tqdm
@@ -80,7 +80,7 @@ def run_sweep(points_or_grid, out, *, fixed: dict | None = None, notebook: str |
                     bar.write(f"{row['status']}: {point_label(row)}: {row['error']}")
     finally:  # an interrupted run is logged too, with what it managed
         if any(counts.values()):
-            record_run(out, command or f"kvlab.sweep.run_sweep({points_or_grid!r}, {str(out)!r})", len(points),
+            record_run(out, command or f"kvlab.lab.engines.run_sweep({points_or_grid!r}, {str(out)!r})", len(points),
                        counts, started, points[0]["device"], engine=engine, **options)
     if progress:
         print(f"{results}: " + ", ".join(f"{n} {status}" for status, n in counts.items()) + " this run", file=sys.stderr)

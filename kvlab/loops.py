@@ -132,7 +132,7 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "d
              top_p: float = 1.0, seed: int = 0, past=None, meter=None, cache_options: dict | None = None) -> Generation:
     """Decode `new_tokens` tokens after `input_ids` as release `loop` did; continue from `past` if given.
 
-    `meter` (a `kvlab.memory.MemoryMeter`, already entered) is told where each step ends and which
+    `meter` (a `kvlab.meter.MemoryMeter`, already entered) is told where each step ends and which
     tensors are cache and logits, so it can draw the timeline and split the peak.
     """
     check_choice("loop", loop, LOOPS)

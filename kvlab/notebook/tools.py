@@ -1,9 +1,9 @@
 """Notebook tooling: stamp (badge, setup cell, kernel), execute with papermill, clean, check.
 
-    python -m kvlab.notebooks stamp notebooks/*.ipynb      # badge + Colab setup cell + kernelspec, from kvlab.colab
-    python -m kvlab.notebooks run notebooks/04_analysis.ipynb   # execute in place with its defaults, clean, check
-    python -m kvlab.notebooks run NB -o /tmp/x.ipynb -p tiny True   # a trial run elsewhere, parameters overridden
-    python -m kvlab.notebooks check notebooks/*.ipynb      # what a committed notebook must not carry
+    python -m kvlab.notebook stamp notebooks/*.ipynb      # badge + Colab setup cell + kernelspec, from kvlab.notebook.colab
+    python -m kvlab.notebook run notebooks/04_analysis.ipynb   # execute in place with its defaults, clean, check
+    python -m kvlab.notebook run NB -o /tmp/x.ipynb -p tiny True   # a trial run elsewhere, parameters overridden
+    python -m kvlab.notebook check notebooks/*.ipynb      # what a committed notebook must not carry
 
 `run` stamps first, executes from the notebook's folder (relative paths such as ../data resolve) on the
 `kvlab` kernel where `make lab` registered it (else the native one), then strips what only adds diff noise:
@@ -23,7 +23,7 @@ import nbformat
 
 from .colab import KERNEL, QUIET_KERNEL, SETUP_TAG, SETUP_CELL, badge, kernel_name
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 BADGE_LINE = re.compile(r"^.*colab-badge.*$\n?", re.MULTILINE)
 # What an output must not show: the machine it ran on (home, checkout, environment, temporary files).
 MACHINE_PATHS = re.compile("|".join(re.escape(p) for p in sorted({str(ROOT), sys.prefix}, key=len,
@@ -111,9 +111,9 @@ def problems(nb, name: str) -> list[str]:
     if "tiny" not in declared_parameters(nb):
         found.append("no `tiny` parameter (the test suite's quick run sets tiny=True)")
     if not nb.cells or badge(name) not in nb.cells[0].source:
-        found.append("the first cell lacks the badge from kvlab.colab (run `stamp`)")
+        found.append("the first cell lacks the badge from kvlab.notebook.colab (run `stamp`)")
     if [cell.source for cell in nb.cells if is_setup_cell(cell)] != [SETUP_CELL]:
-        found.append("the setup cell differs from kvlab.colab.SETUP_CELL (run `stamp`)")
+        found.append("the setup cell differs from kvlab.notebook.colab.SETUP_CELL (run `stamp`)")
     for i, cell in enumerate(nb.cells):
         if "papermill" in cell.metadata or "execution" in cell.metadata:
             found.append(f"cell {i}: per-cell papermill metadata or execution timestamps")
@@ -158,7 +158,7 @@ def _value(text: str):
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kvlab.notebooks", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m kvlab.notebook", description=__doc__.split("\n")[0])
     parser.add_argument("command", choices=("stamp", "run", "check"))
     parser.add_argument("notebooks", nargs="+", type=Path)
     parser.add_argument("-o", "--output", type=Path, help="run: write the executed copy here (one notebook)")

@@ -7,10 +7,10 @@ import signal
 import sys
 from pathlib import Path
 
-from ..experiment import DEFAULTS
+from .point import DEFAULTS
 from .engines import ENGINES, run_sweep
 from .grid import SWEEPS_DIR, expand, load_sweep, merge_grid_items, point_id, point_label, validate
-from .point import POINT_NOTEBOOK
+from .runner import POINT_NOTEBOOK
 
 DESCRIPTION = "Run a grid of experiment points with papermill: one fresh kernel per point, resumable, failures are rows."
 

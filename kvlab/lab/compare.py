@@ -13,10 +13,11 @@ from pathlib import Path
 
 import pandas as pd
 
-from .models import resolve_device
-from .sweep import expand, load_sweep, run_sweep, sweep_file, validate
+from ..models import resolve_device
+from .grid import expand, load_sweep, sweep_file, validate
+from .engines import run_sweep
 
-NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 ANALYSIS_NOTEBOOK = NOTEBOOKS / "04_analysis.ipynb"
 MIB = 2**20
 
@@ -49,7 +50,7 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
         print(f"{row['status']}: {row['cache']}/{row['loop']} new={row['new']}: {row['error']}")
     table = comparison_table(results)
 
-    from . import plots
+    from ..notebook import plots
     figures = []
     longest = results[(results["status"] == "ok") & (results["new"] == results["new"].max())]
     figures.append(out / "compare.png")
@@ -79,7 +80,7 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
 def _execute_analysis(results_csv: Path, output: Path) -> None:
     import papermill
 
-    from .colab import kernel_name  # `kvlab` where make registered it, else python3
+    from ..notebook.colab import kernel_name  # `kvlab` where make registered it, else python3
     papermill.execute_notebook(str(ANALYSIS_NOTEBOOK), str(output), parameters={"results_csv": str(results_csv.resolve())},
                                kernel_name=kernel_name(),
                                cwd=str(ANALYSIS_NOTEBOOK.parent.parent), progress_bar=False)

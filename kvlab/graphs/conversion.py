@@ -14,7 +14,7 @@ import time
 import torch
 from transformers.cache_utils import DynamicCache
 
-from .memory import MemoryMeter
+from ..meter import MemoryMeter
 
 MIB = 2**20
 

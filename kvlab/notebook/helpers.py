@@ -1,6 +1,6 @@
 """Small helpers the notebooks share: device choice, a bytes-written counter, tables and figures.
 
-Everything here is presentation or bookkeeping around `kvlab.experiment` / `kvlab.memory`; the
+Everything here is presentation or bookkeeping around `kvlab.lab.point` / `kvlab.meter`; the
 measurements themselves come from those modules.
 """
 
@@ -14,7 +14,7 @@ from matplotlib.ticker import MaxNLocator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from .models import resolve_device  # noqa: F401  (the notebooks import it from here)
+from ..models import resolve_device  # noqa: F401  (the notebooks import it from here)
 
 MIB = 2**20
 CATEGORY_COLORS = {"weights": "tab:gray", "kv": "tab:blue", "logits": "tab:orange", "other": "tab:green"}
@@ -85,7 +85,7 @@ def set_theme():
 
 def device_label(device: str) -> str:
     """The one way notebooks name their device: the processor or GPU model, then the torch device."""
-    from .experiment import device_name
+    from ..lab.point import device_name
 
     return f"{device_name(device)} ({device})"
 

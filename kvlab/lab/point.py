@@ -5,7 +5,7 @@ plan, so a number in a figure always comes from here.
 
 A point has a `kind`: "kvlab" decodes with kvlab's cache and loop; "reference" runs the real release's own
 `generate()` that the (cache, loop) pair stands for (see REFERENCES), in a subprocess, through
-`kvlab.reference`, and returns the same record, so the two sit in one table.
+`kvlab.lab.reference`, and returns the same record, so the two sit in one table.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from pathlib import Path
 import torch
 import transformers
 
-from . import __version__, theory
-from .caches import check_cache_name
-from .decode import LOOPS, STRATEGIES, check_choice, generate
-from .memory import MemoryMeter
-from .models import check_device, kv_bytes_per_token, load_config, parse_dtype, parse_overrides, resolve_device
+from .. import __version__, theory
+from ..caches import check_cache_name
+from ..loops import LOOPS, STRATEGIES, check_choice, generate
+from ..meter import MemoryMeter
+from ..models import check_device, kv_bytes_per_token, load_config, parse_dtype, parse_overrides, resolve_device
 
 # (cache, loop): the <= 4.41 baseline, each of the PR's two fixes alone (v4.42's loop on tuples, v4.40's
 # loop on one cache object), the PR as released, then today's loop with every design.
@@ -45,7 +45,7 @@ DEFAULTS = dict(kind="kvlab", runtime="eager", preset="toy", overrides="", cache
 @functools.lru_cache(maxsize=1)
 def git_commit() -> str:
     try:
-        root = Path(__file__).resolve().parent.parent
+        root = Path(__file__).resolve().parents[2]
         return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
                               text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
@@ -119,7 +119,7 @@ def normalize(**params) -> dict:
 
 def _check_runtime(p: dict, given: dict) -> None:
     """A graph runtime (kvlab.graphs) carries one cache design; it is the default when none is given."""
-    from .graphs import RUNTIMES, check_runtime
+    from ..graphs import RUNTIMES, check_runtime
     check_choice("runtime", p["runtime"], RUNTIMES)
     if p["runtime"] == "eager":
         return
@@ -156,7 +156,7 @@ def measure(model=None, **params):
         check_fits(p, model if p["kind"] == "kvlab" else None)
     if p["kind"] == "reference":
         return _measure_reference(p), None
-    from .models import build_model
+    from ..models import build_model
     if model is None:
         model = build_model(p["preset"], p["overrides"], p["device"], p["dtype"], p["seed"])
     config = model.config
@@ -169,7 +169,7 @@ def measure(model=None, **params):
         options.update(temperature=0.7, top_k=50, top_p=0.9)
     graphs = None
     if p["runtime"] != "eager":  # trace or export before the meter starts (its time is recorded apart)
-        from .graphs import build_graphs
+        from ..graphs import build_graphs
         graphs = build_graphs(model, prompt, p["new"], p["runtime"])
     gc.collect()
     meter = _meter(p, model)
@@ -220,7 +220,7 @@ def _record(p: dict, config, measured: dict, seconds: float | None, origin: dict
 
 
 def _measure_reference(p: dict) -> dict:
-    """The release's own generate() at this point (kvlab.reference: a subprocess, the same meter)."""
+    """The release's own generate() at this point (kvlab.lab.reference: a subprocess, the same meter)."""
     from .reference import measure_reference
     version, implementation = REFERENCES[(p["cache"], p["loop"])]
     real = measure_reference(version, p["preset"], p["overrides"] or None, p["batch"], p["prompt"], p["new"],
@@ -233,9 +233,9 @@ def _measure_reference(p: dict) -> dict:
 
 def _meter(p: dict, model):
     """The live-storage counter (or the CUDA allocator); for a graph runtime, the meter that sees inside it."""
-    from .graphs import GRAPH_RUNTIMES
+    from ..graphs import GRAPH_RUNTIMES
     if p["runtime"] in GRAPH_RUNTIMES:
-        from .graph_meter import graph_meter
+        from ..graphs.meter import graph_meter
         return graph_meter(p["device"], model)
     return MemoryMeter(p["device"], model, track_storages=p["track_storages"])
 
@@ -243,7 +243,7 @@ def _meter(p: dict, model):
 def _decode(model, prompt, p, options, meter, graphs=None) -> float:
     """One run of the point (a restart included); returns the seconds spent decoding."""
     if p["runtime"] != "eager":
-        from .graphs import generate_graph
+        from ..graphs import generate_graph
         return generate_graph(model, prompt, p["new"], p["runtime"], graphs, meter=meter).seconds
     first = generate(model, prompt, p["new"], meter=meter, **options)
     seconds = first.seconds

@@ -39,15 +39,15 @@ from pathlib import Path
 import torch
 import yaml
 
-from . import encdec
-from .compat import cache_from_outputs
-from .models import element_size, resolve_device
-from .memory import LiveStorageCounter
+from .. import encdec
+from ..compat import cache_from_outputs
+from ..models import element_size, resolve_device
+from ..meter import LiveStorageCounter
 from .reusable_cache import ReusableStaticCache
-from .shipped import shipped_or_path
+from ..lab.shipped import shipped_or_path
 
 MODES = ("hf-static", "reused", "reused-max", "dynamic")
-STREAMS_DIR = Path(__file__).resolve().parent / "streams"
+STREAMS_DIR = Path(__file__).resolve().parents[1] / "lab" / "streams"
 COLUMNS = [
     "stream", "mode", "request", "batch", "encoder_length", "new_tokens", "preset", "overrides", "dtype", "device",
     "max_batch", "max_encoder_length", "compile_backend", "meter", "held_bytes", "peak_bytes", "footprint_bytes", "allocated_bytes", "allocations",
@@ -59,7 +59,7 @@ COLUMNS = [
 
 # -- what a stream is ----------------------------------------------------------------------------
 def stream_file(name: str | os.PathLike) -> Path:
-    """An existing path, or the name of a stream shipped in kvlab/streams/."""
+    """An existing path, or the name of a stream shipped in kvlab/lab/streams/."""
     return shipped_or_path(name, STREAMS_DIR, "stream")
 
 
@@ -251,7 +251,7 @@ def run_stream(model, settings: dict, mode: str, progress=None) -> list[dict]:
     """Serve the stream in one mode, twice: a plain pass (time, dynamo's compiles, tokens checked against
     transformers' `generate()`), then a metered pass with a fresh server and the compiled graphs warm
     (memory: the meter slows every op, so it never runs in the timed pass). One record per request."""
-    from .experiment import provenance
+    from ..lab.point import provenance
     pairs = requests(settings)
     max_batch = max(b for b, _ in pairs)
     max_encoder = max(e for _, e in pairs)
@@ -310,8 +310,8 @@ def _synchronize(device: str) -> None:
 # -- the results file ----------------------------------------------------------------------------
 def write_records(path: Path, records: list[dict]) -> None:
     """Replace the stream's rows of these modes in PATH (one row per request), keep the others; under
-    kvlab.sweep's file lock and replaced at once, as the sweep's results.csv."""
-    from .sweep.store import locked, replace_text
+    kvlab.lab.store's file lock and replaced at once, as the sweep's results.csv."""
+    from ..lab.store import locked, replace_text
     with locked(path):
         rows = []
         if path.exists():
@@ -378,7 +378,7 @@ def main(argv=None) -> None:
 
 def _provenance(out: Path, command: str, settings: dict, started) -> None:
     """This run in OUT/provenance.json, as a sweep logs its runs (load average: a busy machine slows timings)."""
-    from .sweep.store import append_run
+    from ..lab.store import append_run
     append_run(out, command, started, settings["device"], settings=dict(settings))
 
 

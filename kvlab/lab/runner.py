@@ -13,13 +13,13 @@ import os
 import time
 from pathlib import Path
 
-from ..colab import QUIET_KERNEL
-from ..colab import kernel_name as notebook_kernel  # `kvlab` where make registered it, else python3
-from ..predict import TooBig, check_fits
+from ..notebook.colab import QUIET_KERNEL
+from ..notebook.colab import kernel_name as notebook_kernel  # `kvlab` where make registered it, else python3
+from .predict import TooBig, check_fits
 from .grid import point_id, point_label
 
-PACKAGE_DIR = Path(__file__).resolve().parent.parent
-# The notebook every point runs; named here only (scripts ask: python -c "from kvlab.sweep import POINT_NOTEBOOK").
+PACKAGE_DIR = Path(__file__).resolve().parents[1]
+# The notebook every point runs; named here only (scripts ask: python -c "from kvlab.lab.runner import POINT_NOTEBOOK").
 POINT_NOTEBOOK = PACKAGE_DIR.parent / "notebooks" / "A1_experiment_point.ipynb"
 OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
 

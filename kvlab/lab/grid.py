@@ -15,11 +15,11 @@ from pathlib import Path
 
 import yaml
 
-from ..experiment import DEFAULTS, is_true, normalize
+from .point import DEFAULTS, is_true, normalize
 from ..models import parse_value
-from ..shipped import shipped_or_path
+from .shipped import shipped_or_path
 
-SWEEPS_DIR = Path(__file__).resolve().parent.parent / "sweeps"
+SWEEPS_DIR = Path(__file__).resolve().parent / "sweeps"
 
 
 def parse_grid_item(item: str) -> tuple[str, list]:
@@ -33,7 +33,7 @@ def parse_grid_item(item: str) -> tuple[str, list]:
 
 
 def sweep_file(name: str | os.PathLike) -> Path:
-    """A sweep file's path: an existing path, or the name of one shipped in kvlab/sweeps/."""
+    """A sweep file's path: an existing path, or the name of one shipped in kvlab/lab/sweeps/."""
     return shipped_or_path(name, SWEEPS_DIR, "sweep")
 
 
