@@ -1,3 +1,22 @@
-"""kvlab: measure where the memory of LLM generation goes, one KV-cache design at a time."""
+"""kvlab: measure where the memory of LLM generation goes, one KV-cache design at a time.
+
+    from kvlab import build_model, make_cache, generate, MemoryMeter, predict
+
+Read in this order: caches (the designs), loops (three releases' generate()), meter (live bytes, and
+profiler: its independent check), theory (the peak, term by term), models (presets and twins).
+"""
 
 __version__ = "0.1.0"
+
+# Imported on first use, not here: the real transformers 4.40.1 runs `python -m kvlab.lab.reference` in a
+# subprocess, and the lesson's modules need transformers 5.x.
+_PUBLIC = {"build_model": "models", "make_cache": "caches", "generate": "loops", "MemoryMeter": "meter",
+           "predict": "lab.predict"}
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'kvlab' has no attribute {name!r}")
+    import importlib
+    return getattr(importlib.import_module(f"kvlab.{_PUBLIC[name]}"), name)
