@@ -1,0 +1,281 @@
+"""Who holds the bytes: at the peak of a run, each live tensor storage and the Python names that keep it.
+
+The method, with no label given by hand:
+1. Run the callable under kvlab's live-storage counter, numbering the aten ops and noting the live bytes
+   after each. The peak is the op after which they were highest (within one model forward, if asked).
+2. Run it again and stop inside `__torch_dispatch__` once that op has returned, before anything unwinds.
+   Look: the Python tensors on live storages come from `gc.get_objects()`; their names from the frames
+   between the callable and the op (`sys._getframe`), outermost first, walking from each local through
+   dicts, lists, tuples and attributes down to the tensors: `function: local['key'][3].attribute`. The op
+   names its own inputs and output (`aten.cat.default: out`). Each direct holder (a local, a container, an
+   object) is named once, by its outermost name. A tensor that shows only part of its storage is a view:
+   it keeps the whole storage alive, though the tensor that storage was made for may be gone.
+Limits: only the storages the counter sees (made while it runs, on CPU or meta; see
+`kvlab.meter.LiveStorageCounter`). A storage no Python object reaches (held from C++, or by an expression's
+unnamed temporary) is "unreferenced from Python"; a tensor reached only from objects outside these frames
+is named by the type of what refers to it (`gc.get_referrers`). The run must repeat its ops (the rerun
+checks the bytes at the peak); the cyclic garbage collector is off during both runs, so that it cannot
+free anything at a different moment.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import subprocess
+import sys
+import types
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .meter import LiveStorageCounter
+
+UNREFERENCED = "unreferenced from Python"
+TORCH_DIR = os.path.dirname(torch.__file__)
+MAX_DEPTH = 8  # item and attribute steps from a local; transformers' holders are within 5
+ATOMS = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType, types.FunctionType,
+         types.BuiltinFunctionType, types.MethodType, torch.dtype, torch.device, torch.nn.Parameter)
+
+
+@dataclass
+class Held:
+    """One live storage: its bytes, the tensor first named on it, and every direct holder's name."""
+
+    nbytes: int
+    tensor: str  # e.g. "float32[1, 2, 15, 16]"; "-" when no Python tensor is left on the storage
+    tensor_bytes: int  # what that tensor shows: less than nbytes for a view of a larger storage
+    holders: list[str]  # outermost first; [UNREFERENCED] when no Python object holds it
+
+
+@dataclass
+class Explanation:
+    peak_bytes: int  # live bytes counted since the run began, right after `op`
+    op: str
+    op_index: int  # the op's number in the run
+    where: str  # the Python line (outside torch) that ran it
+    held: list[Held] = field(default_factory=list)  # largest first
+
+    def format(self) -> str:
+        """A table: storages grouped by their first holder's name with indices as [i], largest first."""
+        groups = defaultdict(lambda: [0, 0, 0])  # name -> storages, bytes, bytes their tensors show
+        for item in self.held:
+            row = groups[re.sub(r"\[\d+\]", "[i]", item.holders[0])]
+            row[0], row[1], row[2] = row[0] + 1, row[1] + item.nbytes, row[2] + item.tensor_bytes
+        mib = lambda nbytes: f"{nbytes / 2**20:.3f} MiB"
+        lines = [f"peak {mib(self.peak_bytes)} after op #{self.op_index} {self.op} in {self.where}",
+                 f"{'bytes':>12} {'share':>6} {'count':>5}  held by"]
+        for name, (count, nbytes, shown) in sorted(groups.items(), key=lambda g: -g[1][1]):
+            view = f"  (views showing {mib(shown)})" if shown < nbytes else ""
+            lines.append(f"{mib(nbytes):>12} {nbytes / max(self.peak_bytes, 1):>6.1%} {count:>5}  {name}{view}")
+        return "\n".join(lines)
+
+
+class _Stop(BaseException):  # not an Exception: a callable's `except Exception` must not swallow it
+    """Ends the rerun once the chosen op has been looked at."""
+
+
+class _OpCounter(LiveStorageCounter):
+    """The live-storage counter, plus the live bytes after each op; at op `stop_at` it looks and stops."""
+
+    def __init__(self, stop_at: int | None = None):
+        super().__init__()
+        self.live_after: list[int] = []
+        self.stop_at, self.outer_frame, self.explanation = stop_at, None, None
+
+    def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
+        out = super().__torch_dispatch__(func, types_, args, kwargs)
+        self.live_after.append(self.live_bytes)
+        if len(self.live_after) - 1 == self.stop_at:
+            self.explanation = _look(self, str(func), sys._getframe())
+            raise _Stop
+        return out
+
+
+def explain(run, *, model: torch.nn.Module | None = None, step: int | None = None) -> Explanation:
+    """Call `run()` twice; explain what is alive at its peak, or at the peak of `model`'s forward number
+    `step` (0: the prefill; each step runs from one forward's start to the next's)."""
+    if step is not None and model is None:
+        raise ValueError("step needs the model, to find where each forward begins")
+    counter, starts = _OpCounter(), []
+    hook = model.register_forward_pre_hook(lambda *_: starts.append(len(counter.live_after))) if model else None
+    try:
+        _call(run, counter)
+    finally:
+        if hook is not None:
+            hook.remove()
+    ops = range(len(counter.live_after))
+    if step is not None:
+        if not 0 <= step < len(starts):
+            raise ValueError(f"step {step} was not run; choose one of 0..{len(starts) - 1}")
+        ops = range(starts[step], starts[step + 1] if step + 1 < len(starts) else len(ops))
+    if not ops:
+        raise ValueError("the run dispatched no tensor op to explain")
+    target = max(ops, key=counter.live_after.__getitem__)
+    rerun = _OpCounter(stop_at=target)
+    _call(run, rerun)
+    if rerun.explanation is None or rerun.explanation.peak_bytes != counter.live_after[target]:
+        raise RuntimeError("the rerun did not repeat the first run's ops and bytes; is the callable deterministic?")
+    return rerun.explanation
+
+
+def _call(run, counter: _OpCounter) -> None:
+    counter.outer_frame = sys._getframe()  # the names start below this frame
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        with counter:
+            run()
+    except _Stop:
+        pass
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _look(counter: _OpCounter, op: str, dispatch_frame) -> Explanation:
+    live = {key: nbytes for key, (_, nbytes) in counter.live.items()}
+    tensors = defaultdict(list)  # storage key -> the Python tensors on it
+    for obj in gc.get_objects():
+        if issubclass(type(obj), torch.Tensor) and obj.untyped_storage()._cdata in live:  # type(): no __class__ calls
+            tensors[obj.untyped_storage()._cdata].append(obj)
+    frames, frame = [], dispatch_frame.f_back
+    while frame is not None and frame is not counter.outer_frame:
+        frames.insert(0, frame)
+        frame = frame.f_back
+    # Torch's own frames (Module._call_impl, ...) only pass arguments on: their names come last, and are
+    # kept only for what no other frame names.
+    ours = [f for f in frames if not f.f_code.co_filename.startswith(TORCH_DIR)]
+    wrappers = [f for f in frames if f.f_code.co_filename.startswith(TORCH_DIR)]
+    local = lambda fs: [(f"{f.f_code.co_qualname}: {name}", value) for f in fs for name, value in f.f_locals.items()]
+    roots = local(ours) + [(f"{op}: {name}", dispatch_frame.f_locals[name]) for name in ("out", "args", "kwargs")]
+    first_wrapper = len(roots)
+    roots += local(wrappers)
+    names = defaultdict(dict)  # id(tensor) -> {direct holder: (root number, name)}, the outermost kept
+    for number, (root, value) in enumerate(roots):
+        for path, tensor, parent in _tensors_under(value, live):
+            names[id(tensor)].setdefault(parent or root, (number, root + path))
+    held = []
+    for key, nbytes in live.items():
+        found = sorted(pair for t in tensors[key] for pair in names[id(t)].values())
+        holders = [name for number, name in found if number < first_wrapper or number == found[0][0]]
+        named = [t for t in tensors[key] if names[id(t)]]
+        first = min(named, key=lambda t: min(names[id(t)].values())) if named else next(iter(tensors[key]), None)
+        if first is None:
+            held.append(Held(nbytes, "-", nbytes, [UNREFERENCED]))
+            continue
+        if not holders:  # what refers to it, other than our own lists of tensors
+            mine = {id(tensors), *map(id, tensors.values())}
+            outside = [r for r in gc.get_referrers(first) if id(r) not in mine and not isinstance(r, types.FrameType)]
+            holders = [f"a {type(outside[0]).__name__} no frame reaches" if outside else UNREFERENCED]
+        desc = f"{str(first.dtype).removeprefix('torch.')}{list(first.shape)}"
+        held.append(Held(nbytes, desc, first.numel() * first.element_size(), holders))
+    held.sort(key=lambda h: -h.nbytes)
+    caller = ours[-1] if ours else dispatch_frame.f_back
+    where = f"{caller.f_code.co_qualname} ({caller.f_code.co_filename}:{caller.f_lineno})"
+    return Explanation(counter.live_bytes, op, len(counter.live_after) - 1, where, held)
+
+
+def _tensors_under(value, live):
+    """(path, tensor, id of its direct holder; None for `value` itself) for each tensor on a live storage
+    that `value` reaches, by its shortest path (breadth first)."""
+    seen, level = {id(value)}, [("", value, None)]
+    for _ in range(MAX_DEPTH + 1):
+        below = []
+        for path, obj, parent in level:
+            if isinstance(obj, torch.Tensor):
+                if obj.untyped_storage()._cdata in live:
+                    yield path, obj, parent
+                continue
+            for step, child in _children(obj):
+                if id(child) not in seen and not isinstance(child, ATOMS):
+                    seen.add(id(child))
+                    below.append((path + step, child, id(obj)))
+        level = below
+
+
+def _children(obj):
+    """(path step, child): a container's items, an object's attributes (a module's children as attributes)."""
+    if isinstance(obj, ATOMS):
+        return
+    attributes = getattr(obj, "__dict__", None)
+    for name, child in (attributes.items() if isinstance(attributes, dict) else ()):
+        if name in ("_modules", "_buffers", "_parameters") and isinstance(child, dict):
+            yield from ((f".{n}", c) for n, c in child.items())
+        else:
+            yield f".{name}", child
+    if isinstance(obj, dict):
+        yield from ((f"[{k!r}]", c) for k, c in list(obj.items()))
+    elif isinstance(obj, (list, tuple)):
+        yield from ((f"[{i}]", c) for i, c in enumerate(obj))
+    for name in getattr(type(obj), "__slots__", ()):
+        if isinstance(name, str) and hasattr(obj, name):
+            yield f".{name}", getattr(obj, name)
+
+
+def explain_point(preset: str = "toy", overrides=None, batch: int = 2, prompt: int = 16, new: int = 8,
+                  dtype: str = "float32", cache: str = "tuple", loop: str = "v4.40", engine: str = "kvlab",
+                  step: int | None = None, seed: int = 0) -> Explanation:
+    """Explain one greedy point: kvlab's loop (engine "kvlab", with `cache` and `loop`), this transformers'
+    own generate() ("installed"), or a release's own ("4.40.1", "4.42.4": in its own process)."""
+    from .caches import CACHES
+    from .lab.reference import CONFIG_KEYS, RELEASES, ROOT, install_reference
+    from .loops import LOOPS
+    from .models import build_model, load_config, parse_dtype
+
+    for kind, value, choices in (("engine", engine, ("kvlab", "installed", *RELEASES)), ("cache", cache, CACHES),
+                                 ("loop", loop, LOOPS)):
+        if value not in choices:
+            raise ValueError(f"unknown {kind} {value!r}; choose one of: {', '.join(choices)}")
+    dtype = str(parse_dtype(dtype)).removeprefix("torch.")
+    config = load_config(preset, overrides)  # raises on a bad preset or override before anything is built
+    if engine in RELEASES:
+        values = {key: getattr(config, key) for key in CONFIG_KEYS if hasattr(config, key)}
+        values["rope_theta"] = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        spec = dict(model_type=config.model_type, config=values, batch=batch, prompt=prompt, new=new, dtype=dtype,
+                    step=step, seed=seed)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(install_reference(engine)), str(ROOT)]))
+        result = subprocess.run([sys.executable, "-m", "kvlab.explain", json.dumps(spec)], env=env,
+                                capture_output=True, text=True, check=False)
+        if result.returncode != 0:
+            raise RuntimeError(f"transformers {engine} run failed:\n{result.stderr[-3000:]}")
+        record = json.loads(result.stdout.strip().splitlines()[-1])
+        return Explanation(**dict(record, held=[Held(**item) for item in record["held"]]))
+    model = build_model(preset, overrides, dtype=dtype, seed=seed)
+    ids = _prompt(config.vocab_size, batch, prompt, seed)
+    if engine == "kvlab":
+        from .loops import generate
+        return explain(lambda: generate(model, ids, new, cache=cache, loop=loop), model=model, step=step)
+    return explain_generate(model, ids, new, step)
+
+
+def _prompt(vocab_size: int, batch: int, prompt: int, seed: int) -> torch.Tensor:  # as kvlab.lab.point draws it
+    return torch.randint(0, vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(seed))
+
+
+def explain_generate(model, ids: torch.Tensor, new: int, step: int | None = None) -> Explanation:
+    """transformers' own greedy generate(), exactly `new` tokens (no EOS), under `explain`."""
+    options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                   pad_token_id=0)
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        return explain(lambda: model.generate(ids, **options), model=model, step=step)
+
+
+def _release_worker(spec: dict) -> Explanation:
+    """In a release's own process: its classes build the model (as kvlab.lab.reference does)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(spec["model_type"], **spec["config"], attn_implementation="sdpa")
+    torch.manual_seed(spec["seed"])
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=getattr(torch, spec["dtype"])).eval()
+    ids = _prompt(config.vocab_size, spec["batch"], spec["prompt"], spec["seed"])
+    return explain_generate(model, ids, spec["new"], spec["step"])
+
+
+if __name__ == "__main__":
+    print(json.dumps(asdict(_release_worker(json.loads(sys.argv[1])))))
