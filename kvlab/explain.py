@@ -100,13 +100,8 @@ def explain(run, *, model: torch.nn.Module | None = None, step: int | None = Non
     `step` (0: the prefill; each step runs from one forward's start to the next's)."""
     if step is not None and model is None:
         raise ValueError("step needs the model, to find where each forward begins")
-    counter, starts = _OpCounter(), []
-    hook = model.register_forward_pre_hook(lambda *_: starts.append(len(counter.live_after))) if model else None
-    try:
-        _call(run, counter)
-    finally:
-        if hook is not None:
-            hook.remove()
+    counter = _OpCounter()
+    starts = _call(run, counter, model)
     ops = range(len(counter.live_after))
     if step is not None:
         if not 0 <= step < len(starts):
@@ -116,14 +111,17 @@ def explain(run, *, model: torch.nn.Module | None = None, step: int | None = Non
         raise ValueError("the run dispatched no tensor op to explain")
     target = max(ops, key=counter.live_after.__getitem__)
     rerun = _OpCounter(stop_at=target)
-    _call(run, rerun)
+    _call(run, rerun, model)  # the same hooks as the first run
     if rerun.explanation is None or rerun.explanation.peak_bytes != counter.live_after[target]:
         raise RuntimeError("the rerun did not repeat the first run's ops and bytes; is the callable deterministic?")
     return rerun.explanation
 
 
-def _call(run, counter: _OpCounter) -> None:
+def _call(run, counter: _OpCounter, model=None) -> list[int]:
+    """Run under `counter` with the cyclic collector off; return the op number at each start of `model`'s forward."""
     counter.outer_frame = sys._getframe()  # the names start below this frame
+    starts = []
+    hook = model.register_forward_pre_hook(lambda *_: starts.append(len(counter.live_after))) if model else None
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
@@ -135,6 +133,9 @@ def _call(run, counter: _OpCounter) -> None:
     finally:
         if enabled:
             gc.enable()
+        if hook is not None:
+            hook.remove()
+    return starts
 
 
 def _look(counter: _OpCounter, op: str, dispatch_frame) -> Explanation:
@@ -147,37 +148,50 @@ def _look(counter: _OpCounter, op: str, dispatch_frame) -> Explanation:
     while frame is not None and frame is not counter.outer_frame:
         frames.insert(0, frame)
         frame = frame.f_back
-    # Torch's own frames (Module._call_impl, ...) only pass arguments on: their names come last, and are
-    # kept only for what no other frame names.
+    # Torch's own frames (Module._call_impl, ...) pass arguments on: they name only what nothing else does.
     ours = [f for f in frames if not f.f_code.co_filename.startswith(TORCH_DIR)]
-    wrappers = [f for f in frames if f.f_code.co_filename.startswith(TORCH_DIR)]
-    local = lambda fs: [(f"{f.f_code.co_qualname}: {name}", value) for f in fs for name, value in f.f_locals.items()]
-    roots = local(ours) + [(f"{op}: {name}", dispatch_frame.f_locals[name]) for name in ("out", "args", "kwargs")]
-    first_wrapper = len(roots)
-    roots += local(wrappers)
-    names = defaultdict(dict)  # id(tensor) -> {direct holder: (root number, name)}, the outermost kept
+    op_locals = [(f"{op}: {name}", dispatch_frame.f_locals[name]) for name in ("out", "args", "kwargs")]
+    names = _names(_locals(ours) + op_locals, live)
+    fallback = _names(_locals([f for f in frames if f not in ours]), live)
+    held = []
+    for key, nbytes in live.items():
+        found = _holders(tensors[key], names) or _holders(tensors[key], fallback)[:1]
+        first = found[0][2] if found else next(iter(tensors[key]), None)
+        holders = [name for _, name, _ in found] or [_referrer(first, tensors)]
+        shape = "-" if first is None else f"{str(first.dtype).removeprefix('torch.')}{list(first.shape)}"
+        held.append(Held(nbytes, shape, nbytes if first is None else first.numel() * first.element_size(), holders))
+    held.sort(key=lambda h: -h.nbytes)
+    caller = (ours or frames)[-1]
+    where = f"{caller.f_code.co_qualname} ({caller.f_code.co_filename}:{caller.f_lineno})"
+    return Explanation(counter.live_bytes, op, len(counter.live_after) - 1, where, held)
+
+
+def _locals(frames) -> list[tuple[str, object]]:
+    return [(f"{f.f_code.co_qualname}: {name}", value) for f in frames for name, value in f.f_locals.items()]
+
+
+def _names(roots, live) -> dict[int, list[tuple[int, str]]]:
+    """id(tensor) -> [(root number, name)]: one name per direct holder (a local, or the container or object
+    that has it as item or attribute), the first root's; every frame below generate() reaches its cache."""
+    names = defaultdict(dict)
     for number, (root, value) in enumerate(roots):
         for path, tensor, parent in _tensors_under(value, live):
             names[id(tensor)].setdefault(parent or root, (number, root + path))
-    held = []
-    for key, nbytes in live.items():
-        found = sorted(pair for t in tensors[key] for pair in names[id(t)].values())
-        holders = [name for number, name in found if number < first_wrapper or number == found[0][0]]
-        named = [t for t in tensors[key] if names[id(t)]]
-        first = min(named, key=lambda t: min(names[id(t)].values())) if named else next(iter(tensors[key]), None)
-        if first is None:
-            held.append(Held(nbytes, "-", nbytes, [UNREFERENCED]))
-            continue
-        if not holders:  # what refers to it, other than our own lists of tensors
-            mine = {id(tensors), *map(id, tensors.values())}
-            outside = [r for r in gc.get_referrers(first) if id(r) not in mine and not isinstance(r, types.FrameType)]
-            holders = [f"a {type(outside[0]).__name__} no frame reaches" if outside else UNREFERENCED]
-        desc = f"{str(first.dtype).removeprefix('torch.')}{list(first.shape)}"
-        held.append(Held(nbytes, desc, first.numel() * first.element_size(), holders))
-    held.sort(key=lambda h: -h.nbytes)
-    caller = ours[-1] if ours else dispatch_frame.f_back
-    where = f"{caller.f_code.co_qualname} ({caller.f_code.co_filename}:{caller.f_lineno})"
-    return Explanation(counter.live_bytes, op, len(counter.live_after) - 1, where, held)
+    return defaultdict(list, {key: list(by_holder.values()) for key, by_holder in names.items()})
+
+
+def _holders(tensors, names) -> list[tuple[int, str, torch.Tensor]]:
+    """(root number, name, tensor) for every name of the tensors on one storage, outermost first."""
+    return sorted(((number, name, t) for t in tensors for number, name in names[id(t)]), key=lambda h: h[:2])
+
+
+def _referrer(tensor, tensors) -> str:
+    """For a tensor no frame names: the type of what refers to it, other than our own lists of tensors."""
+    if tensor is None:
+        return UNREFERENCED
+    mine = {id(tensors), *map(id, tensors.values())}
+    outside = [r for r in gc.get_referrers(tensor) if id(r) not in mine and not isinstance(r, types.FrameType)]
+    return f"a {type(outside[0]).__name__} no frame reaches" if outside else UNREFERENCED
 
 
 def _tensors_under(value, live):
@@ -212,9 +226,6 @@ def _children(obj):
         yield from ((f"[{k!r}]", c) for k, c in list(obj.items()))
     elif isinstance(obj, (list, tuple)):
         yield from ((f"[{i}]", c) for i, c in enumerate(obj))
-    for name in getattr(type(obj), "__slots__", ()):
-        if isinstance(name, str) and hasattr(obj, name):
-            yield f".{name}", getattr(obj, name)
 
 
 def explain_point(preset: str = "toy", overrides=None, batch: int = 2, prompt: int = 16, new: int = 8,
@@ -235,7 +246,8 @@ def explain_point(preset: str = "toy", overrides=None, batch: int = 2, prompt: i
     config = load_config(preset, overrides)  # raises on a bad preset or override before anything is built
     if engine in RELEASES:
         values = {key: getattr(config, key) for key in CONFIG_KEYS if hasattr(config, key)}
-        values["rope_theta"] = (getattr(config, "rope_parameters", None) or {}).get("rope_theta", 10000.0)
+        rope = getattr(config, "rope_parameters", None) or {}  # as kvlab.lab.reference passes it on
+        values["rope_theta"] = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         spec = dict(model_type=config.model_type, config=values, batch=batch, prompt=prompt, new=new, dtype=dtype,
                     step=step, seed=seed)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(install_reference(engine)), str(ROOT)]))
