@@ -7,8 +7,9 @@
 Each task runs the point notebook under papermill in a fresh kernel on whichever node Ray picks, in a
 scratch folder there, and returns its row, the executed notebook and the record: the driver writes them
 into OUT (the nodes need kvlab installed, not a shared file system). A task asks for what its point's
-device needs, one GPU for a CUDA point and one CPU otherwise (`num_gpus`/`num_cpus` override): a task
-asking for a GPU the cluster does not have would wait forever, so such a sweep is refused up front.
+device needs, one GPU for a CUDA point and one CPU otherwise (`num_gpus`/`num_cpus` override; a fraction,
+e.g. `--num-gpus 0.25`, lets four points share one card): a task asking for a GPU the cluster does not have
+would wait forever, so such a sweep is refused up front.
 Ctrl-C cancels the tasks still running; the rows already written stay, and a rerun resumes.
 """
 
