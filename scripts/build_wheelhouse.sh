@@ -15,8 +15,8 @@
 # DEST/requirements/ the requirements files, DEST/SHA256SUMS
 #
 # Needs network (PyPI) here, not on the node. Fails if a package is missing, present in two versions,
-# not installable on cp312/manylinux x86_64, or if DEST without ray/ grows past MAX_MIB (default 50: what
-# travels with the working tree to the device machine; Ray's ~70 MiB wheel does not, hence a separate folder).
+# not installable on cp312/manylinux x86_64, or if DEST without ray/ grows past MAX_MIB (default 50: small
+# enough to copy with the checkout; Ray's ~70 MiB wheel alone is larger, hence its own folder).
 # Environment: PYTHON (default .venv/bin/python, else python3), MAX_MIB, WITH_RAY.
 set -euo pipefail
 
@@ -158,6 +158,6 @@ if [[ -d "$DEST/ray" ]] && compgen -G "$DEST/ray/*.whl" > /dev/null; then
     echo "build_wheelhouse: $DEST/ray: $(ls "$DEST"/ray/*.whl | wc -l) wheels, $(du -sh "$DEST/ray" | cut -f1) (not counted above)"
 fi
 if (( BYTES > MAX_MIB * 1048576 )); then
-    echo "build_wheelhouse: $MIB MiB is over the $MAX_MIB MiB that may travel with the working tree" >&2
+    echo "build_wheelhouse: $MIB MiB is over MAX_MIB=$MAX_MIB (the size meant to be copied with the checkout)" >&2
     exit 1
 fi

@@ -1,4 +1,4 @@
-"""The H200 reference points three ways: the twins on CPU, the full configs on the meta device, DESIGN §2's H200 run.
+"""The H200 reference points three ways: the twins on CPU, the full configs on the meta device, the H200 run.
 
     python scripts/twin_table.py   # reads data/cpu (Llama-2 twin), data/twins (Mistral twin), data/meta, data/design
 
@@ -11,12 +11,12 @@ from pathlib import Path
 import pandas as pd
 
 DATA = Path(__file__).resolve().parent.parent / "data"
-# transformers' own class behind each reference point of DESIGN §2 (data/design/h200.csv, with its provenance).
+# transformers' own class behind each H200 reference point (data/design/h200.csv, with its provenance).
 REFERENCE_CLASS = {"tuple": "", "dynamic": " DynamicCache", "static": " StaticCache"}
 
 
 def h200_labels() -> dict:
-    """'2.00 (4.40.1)', '1.016 (5.17 DynamicCache)', ...: DESIGN §2's H200 figures as written in the data file."""
+    """'2.00 (4.40.1)', '1.016 (5.17 DynamicCache)', ...: the H200 figures as written in the data file."""
     rows = pd.read_csv(DATA / "design" / "h200.csv", dtype=str)
     return {(row.preset, row.cache, row.loop):
             f"{row.overhead_over_kv} ({row.release.removesuffix('.0')}{REFERENCE_CLASS[row.cache]})"
@@ -30,7 +30,7 @@ def main():
     rows = rows[(rows["status"] == "ok") & (rows[list(point)] == pd.Series(point)).all(axis=1)]
     rows = rows.assign(model=rows["preset"].str.removesuffix("-twin"), twin=rows["preset"].str.endswith("-twin"))
     table = rows.pivot_table(index=["model", "cache", "loop"], columns="twin", values="overhead_over_kv")
-    print("| model | cache / loop | twin, CPU | full config, meta | twin / full | H200, DESIGN §2 |")
+    print("| model | cache / loop | twin, CPU | full config, meta | twin / full | H200 (data/design/h200.csv) |")
     print("|---|---|---:|---:|---:|---|")
     for (model, cache, loop), values in table.iterrows():
         twin, full = values.get(True), values.get(False)

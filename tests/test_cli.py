@@ -103,8 +103,7 @@ def test_every_default_has_a_command_line_flag():
     assert set(DEFAULTS) - {"track_storages"} <= flags | {"overrides"}
 
 
-@pytest.mark.parametrize("module, function, what, shipped", [("kvlab.plan", "plan_file", "plan", "h200"),
-                                                             ("kvlab.lab.grid", "sweep_file", "sweep", "cpu-default"),
+@pytest.mark.parametrize("module, function, what, shipped", [("kvlab.lab.grid", "sweep_file", "sweep", "cpu-default"),
                                                              ("kvlab.encdec.stream", "stream_file", "stream",
                                                               "encdec-cpu")])
 def test_a_file_is_a_path_or_a_shipped_name_with_one_error_wording(tmp_path, module, function, what, shipped):

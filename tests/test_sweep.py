@@ -231,3 +231,21 @@ def test_failure_status():
     assert failure_status("OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.00 GiB") == "oom"
     assert failure_status("RuntimeError", "DefaultCPUAllocator: can't allocate memory") == "oom"
     assert failure_status("ValueError", "unknown cache") == "failed"
+
+
+@pytest.mark.slow
+def test_a_point_past_its_time_limit_is_a_failed_row_and_the_sweep_goes_on(tmp_path):
+    """papermill's execution_timeout: a point still decoding after 2 s is stopped, its kernel shut down, and
+    becomes a "failed" row saying so; the next point (refused as too big, so no kernel and no clock) still
+    gets its row."""
+    import psutil
+    endless = dict(TINY, new=200_000, timing=False)  # minutes of decoding on any CPU
+    table = run_sweep([endless, dict(TINY, overrides=TOO_BIG)], tmp_path, point_timeout=2, progress=False)
+    assert list(table["status"]) == ["failed", "too-big"]
+    timed_out = table.iloc[0]
+    assert timed_out["error"].startswith("TimeoutError: timed out after 2 s") and timed_out["new"] == 200_000
+    assert timed_out["elapsed_s"] < 120  # stopped, not run to the end
+    kernels = [p for p in psutil.Process().children(recursive=True) if "ipykernel" in " ".join(p.cmdline())]
+    assert kernels == []
+    assert json.loads((tmp_path / "provenance.json").read_text())["runs"][0]["point_timeout_s"] == 2
+    assert "- failed: toy kvlab dynamic/v5" in (tmp_path / "summary.md").read_text()

@@ -25,10 +25,8 @@ reserved).
 from __future__ import annotations
 
 import argparse
-import csv
 import datetime
 import gc
-import io
 import os
 import random
 import sys
@@ -309,21 +307,11 @@ def _synchronize(device: str) -> None:
 
 # -- the results file ----------------------------------------------------------------------------
 def write_records(path: Path, records: list[dict]) -> None:
-    """Replace the stream's rows of these modes in PATH (one row per request), keep the others; under
-    kvlab.lab.store's file lock and replaced at once, as the sweep's results.csv."""
-    from ..lab.store import locked, replace_text
-    with locked(path):
-        rows = []
-        if path.exists():
-            with path.open(newline="") as handle:
-                done = {(r["stream"], r["mode"]) for r in records}
-                rows = [r for r in csv.DictReader(handle) if (r["stream"], r["mode"]) not in done]
-        text = io.StringIO()
-        writer = csv.DictWriter(text, COLUMNS, extrasaction="ignore", lineterminator="\n")
-        writer.writeheader()
-        for row in rows + records:
-            writer.writerow({k: "" if row.get(k) is None else row[k] for k in COLUMNS})
-        replace_text(path, text.getvalue())
+    """Replace the stream's rows of these modes in PATH (one row per request), keep the others: the sweep's
+    store (kvlab.lab.store), its file lock and its all-at-once replace."""
+    from ..lab.store import replace_rows
+    done = {(r["stream"], r["mode"]) for r in records}
+    replace_rows(path, records, lambda row: (row["stream"], row["mode"]) in done, COLUMNS)
 
 
 def load_records(path):

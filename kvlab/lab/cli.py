@@ -1,4 +1,4 @@
-"""Command line: `python -m kvlab {measure,compare,predict,sweep,plan,stream}`.
+"""Command line: `python -m kvlab {measure,compare,predict,sweep,stream}`.
 
 Bad input exits with status 2 and one line naming the valid choices, before any model is built; so does a
 point whose predicted peak exceeds the free memory of its device (unless --force).
@@ -77,11 +77,6 @@ def cmd_sweep(args) -> None:
     sweep_main(args.rest)
 
 
-def cmd_plan(args) -> None:
-    from ..plan import main as plan_main
-    plan_main(args.rest)
-
-
 def cmd_stream(args) -> None:
     from ..encdec.stream import main as stream_main
     stream_main(args.rest)
@@ -125,11 +120,6 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("rest", nargs=argparse.REMAINDER)
     sweep.set_defaults(func=cmd_sweep)
 
-    plan = sub.add_parser("plan", help="a budgeted run of jobs in parallel lanes from a plan file (e.g. h200)",
-                          add_help=False)
-    plan.add_argument("rest", nargs=argparse.REMAINDER)
-    plan.set_defaults(func=cmd_plan)
-
     stream = sub.add_parser("stream", help="serve a stream of encoder-decoder requests with each cache design",
                             add_help=False)
     stream.add_argument("rest", nargs=argparse.REMAINDER)
@@ -139,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    handed_over = {"sweep": cmd_sweep, "plan": cmd_plan, "stream": cmd_stream}
+    handed_over = {"sweep": cmd_sweep, "stream": cmd_stream}
     if argv[:1] and argv[0] in handed_over:  # argparse's REMAINDER cannot start with an option: hand over directly
         args = argparse.Namespace(command=argv[0], rest=argv[1:], func=handed_over[argv[0]])
     else:

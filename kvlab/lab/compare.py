@@ -16,23 +16,62 @@ import pandas as pd
 from ..models import resolve_device
 from .grid import expand, load_sweep, sweep_file, validate
 from .engines import run_sweep
+from .point import DESIGNS
 
 NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
 ANALYSIS_NOTEBOOK = NOTEBOOKS / "04_analysis.ipynb"
 MIB = 2**20
+# The parameters a sweep's points may differ in besides the design; the table shows those that do.
+VARYING = ("preset", "overrides", "runtime", "strategy", "dtype", "batch", "prompt", "track_storages")
 
 
 def comparison_table(df: pd.DataFrame) -> pd.DataFrame:
-    """One row per design at the longest generation of the sweep."""
+    """One row per design at the longest generation of the sweep, in DESIGNS' order; a column for each other
+    parameter the rows differ in; a real release's own generate() (kind reference) right under kvlab's loop."""
     rows = df[(df["status"] == "ok") & (df["new"] == df["new"].max())]
-    return pd.DataFrame({
-        "cache": rows["cache"], "loop": rows["loop"],
+    order = [DESIGNS.index(d) if d in DESIGNS else len(DESIGNS) for d in zip(rows["cache"], rows["loop"])]
+    varying = [key for key in VARYING if rows[key].nunique() > 1]
+    rows = rows.assign(design_order=order).sort_values([*varying, "design_order", "kind"], kind="stable")
+    columns = {key: rows[key] for key in varying} | {"cache": rows["cache"], "loop": rows["loop"]}
+    if (rows["kind"] == "reference").any():
+        release = "transformers " + rows["transformers_version"].astype(str)
+        columns["generate()"] = release.where(rows["kind"] == "reference", "kvlab")
+    return pd.DataFrame(columns | {
         "overhead_MiB": (rows["overhead_bytes"] / MIB).round(2),
         "overhead/KV": rows["overhead_over_kv"].round(3),
         "predicted_MiB": (rows["predicted_overhead_bytes"] / MIB).round(2),
         "error_%": (100 * rows["prediction_error"]).round(2),
         "tokens/s": rows["tokens_per_s"].round(1),
-    }).reset_index(drop=True)
+    } | ({"storages_MiB": (rows["storages_peak_bytes"] / MIB).round(2)}  # the live-storage meter beside CUDA's
+         if ((rows["meter"] == "cuda-allocator") & rows["storages_peak_bytes"].notna()).any() else {})
+    ).reset_index(drop=True)
+
+
+def markdown(table: pd.DataFrame) -> str:
+    # DataFrame.to_markdown needs tabulate, which kvlab does not otherwise need (nor has the GPU node): 4 lines.
+    lines = ["| " + " | ".join(table.columns) + " |",
+             "|" + "".join("---:|" if pd.api.types.is_numeric_dtype(table[c]) else "---|" for c in table)]
+    return "\n".join(lines + ["| " + " | ".join("" if pd.isna(v) else str(v) for v in row) + " |"
+                              for row in table.itertuples(index=False)])
+
+
+def write_summary(results: pd.DataFrame, path: Path, title: str) -> None:
+    """`path` (a sweep's OUT/summary.md): the comparison table as `make compare` prints it, and what is not ok."""
+    counts = ", ".join(f"{n} {status}" for status, n in results["status"].value_counts().items())
+    lines = [f"# {title}", "", f"{len(results)} points: {counts}.", ""]
+    longest = results[(results["status"] == "ok") & (results["new"] == results["new"].max())]
+    if len(longest):
+        shared = [f"{key} {longest[key].iloc[0]}" for key in VARYING
+                  if longest[key].nunique() == 1 and longest[key].iloc[0] != ""]
+        lines += [f"On {', '.join(longest['device_name'].unique())} ({longest['device'].iloc[0]}): "
+                  f"{', '.join(shared)}, {longest['new'].iloc[0]} new tokens (the sweep's longest). Overhead = peak "
+                  "above the post-load baseline; overhead/KV: over the final cache; predicted: kvlab.theory; "
+                  "tokens/s: a run without the live-storage meter.", "", markdown(comparison_table(results)), ""]
+    failed = results[results["status"] != "ok"]
+    if len(failed):
+        lines += ["## Not ok", ""] + [f"- {r['status']}: {r['preset']} {r['kind']} {r['cache']}/{r['loop']} "
+                                      f"({r['point_id']}): {r['error']}" for _, r in failed.iterrows()]
+    path.write_text("\n".join(lines).rstrip() + "\n")
 
 
 def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:

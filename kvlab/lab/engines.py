@@ -14,23 +14,24 @@ import os
 import sys
 from pathlib import Path
 
-from .grid import point_id, point_label, points_of, validate
+from .grid import point_id, point_label, points_of, read_sweep, validate
 from .runner import POINT_NOTEBOOK, kernel_environment, run_one
 from .store import STATUSES, append_row, done_point_ids, load_results, record_run
 
 
-def local_engine(todo: list[dict], out: Path, notebook: Path, kernel_name: str | None = None, **options):
+def local_engine(todo: list[dict], out: Path, notebook: Path, kernel_name: str | None = None,
+                 point_timeout: int | None = None, **options):
     """Each point in turn, in a fresh kernel on this machine."""
     if options:
         raise ValueError(f"the local engine takes no {', '.join(sorted(options))}; those are for --engine ray")
     with kernel_environment(todo):
         for params in todo:
-            yield run_one(params, out, notebook, kernel_name)
+            yield run_one(params, out, notebook, kernel_name, point_timeout)
 
 
-def ray_engine(todo, out, notebook, kernel_name=None, **options):
+def ray_engine(todo, out, notebook, kernel_name=None, point_timeout=None, **options):
     from .ray_engine import run_on_ray  # Ray is an optional extra: imported only when asked for
-    return run_on_ray(todo, out, notebook, kernel_name, **options)
+    return run_on_ray(todo, out, notebook, kernel_name, point_timeout, **options)
 
 
 ENGINES = {"local": local_engine, "ray": ray_engine}
@@ -38,19 +39,24 @@ ENGINES = {"local": local_engine, "ray": ray_engine}
 
 def run_sweep(points_or_grid, out, *, fixed: dict | None = None, notebook: str | os.PathLike | None = None,
               kernel_name: str | None = None, progress: bool = True, command: str | None = None,
-              engine: str = "local", **engine_options):
+              engine: str = "local", point_timeout: int | None = None, **engine_options):
     """Run every point not yet done; return the results table (pandas DataFrame) of the whole folder.
 
     `points_or_grid`: a list of parameter dicts, a grid {key: [values]} (product, on top of `fixed`),
     or the path / shipped name of a sweep file. Every point is validated before the first one runs.
     `engine`: "local" (default) or "ray" (options: address, num_cpus, num_gpus; see kvlab.lab.ray_engine).
-    Each run is logged in OUT/provenance.json with `command` (default: this call, spelled out).
+    `point_timeout`: seconds a cell of a point's notebook may run (default: a sweep file's point_timeout_s, else
+    none); a point past it is a "failed" row and the sweep goes on.
+    Each run is logged in OUT/provenance.json with `command` (default: this call, spelled out); at the end,
+    OUT/summary.md has the comparison table of `make compare` (kvlab.lab.compare) for the whole folder.
     """
     from tqdm.auto import tqdm
 
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     points = validate(points_of(points_or_grid, fixed), devices_here=engine == "local")
+    if point_timeout is None and isinstance(points_or_grid, (str, os.PathLike)):
+        point_timeout = read_sweep(points_or_grid).get("point_timeout_s")
     notebook = Path(notebook or POINT_NOTEBOOK)
     if not notebook.exists():
         raise ValueError(f"point notebook {notebook} not found; pass notebook= (or --notebook)")
@@ -70,7 +76,7 @@ def run_sweep(points_or_grid, out, *, fixed: dict | None = None, notebook: str |
     try:
         # closing(): an interrupt anywhere in this loop reaches the engine, which stops its running points.
         with tqdm(total=len(todo), desc=f"sweep {out.name}", unit="point", disable=not progress) as bar, \
-                contextlib.closing(ENGINES[engine](todo, out, notebook, kernel_name, **options)) as rows:
+                contextlib.closing(ENGINES[engine](todo, out, notebook, kernel_name, point_timeout, **options)) as rows:
             for row in rows:  # in the order the points end
                 append_row(results, row)
                 counts[row["status"]] += 1
@@ -81,7 +87,10 @@ def run_sweep(points_or_grid, out, *, fixed: dict | None = None, notebook: str |
     finally:  # an interrupted run is logged too, with what it managed
         if any(counts.values()):
             record_run(out, command or f"kvlab.lab.engines.run_sweep({points_or_grid!r}, {str(out)!r})", len(points),
-                       counts, started, points[0]["device"], engine=engine, **options)
+                       counts, started, points[0]["device"], engine=engine, point_timeout_s=point_timeout, **options)
     if progress:
         print(f"{results}: " + ", ".join(f"{n} {status}" for status, n in counts.items()) + " this run", file=sys.stderr)
-    return load_results(results)
+    table = load_results(results)
+    from .compare import write_summary  # compare runs sweeps: imported when used
+    write_summary(table, out / "summary.md", f"Sweep {out.name}")
+    return table

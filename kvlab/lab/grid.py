@@ -2,7 +2,8 @@
 
 A sweep file (YAML) has `fixed:` parameters shared by every point and `grid:` lists whose product
 gives the points. A grid entry whose values are mappings sets several parameters together, e.g.
-`design: [{cache: tuple, loop: v4.40}, {cache: dynamic, loop: v5}]`.
+`design: [{cache: tuple, loop: v4.40}, {cache: dynamic, loop: v5}]`. Optional: `description:`, and
+`point_timeout_s:`, the seconds a cell of a point's notebook may run before the point is a failure row.
 """
 
 from __future__ import annotations
@@ -37,12 +38,20 @@ def sweep_file(name: str | os.PathLike) -> Path:
     return shipped_or_path(name, SWEEPS_DIR, "sweep")
 
 
+def read_sweep(path: str | os.PathLike) -> dict:
+    """A YAML sweep file's sections, checked."""
+    spec = yaml.safe_load(sweep_file(path).read_text()) or {}
+    if not isinstance(spec, dict) or set(spec) - {"fixed", "grid", "description", "point_timeout_s"}:
+        raise ValueError(f"{path}: a sweep file has the sections fixed, grid (and description, point_timeout_s)")
+    timeout = spec.get("point_timeout_s")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int) or timeout < 1):
+        raise ValueError(f"{path}: point_timeout_s must be a positive number of seconds, got {timeout!r}")
+    return spec
+
+
 def load_sweep(path: str | os.PathLike) -> tuple[dict, dict]:
     """(fixed, grid) from a YAML sweep file."""
-    text = sweep_file(path).read_text()
-    spec = yaml.safe_load(text) or {}
-    if not isinstance(spec, dict) or set(spec) - {"fixed", "grid", "description"}:
-        raise ValueError(f"{path}: a sweep file has the sections fixed, grid (and description)")
+    spec = read_sweep(path)
     fixed, grid = spec.get("fixed") or {}, spec.get("grid") or {}
     if not isinstance(fixed, dict) or not isinstance(grid, dict):
         raise ValueError(f"{path}: `fixed` and `grid` must be mappings of parameter names")

@@ -1,7 +1,7 @@
 """One measured point: parameters in, one flat record (a dict) out.
 
-The same function serves the CLI (`python -m kvlab measure`), the notebooks, every sweep and every
-plan, so a number in a figure always comes from here.
+The same function serves the CLI (`python -m kvlab measure`), the notebooks and every sweep, so a
+number in a figure always comes from here.
 
 A point has a `kind`: "kvlab" decodes with kvlab's cache and loop; "reference" runs the real release's own
 `generate()` that the (cache, loop) pair stands for (see REFERENCES), in a subprocess, through

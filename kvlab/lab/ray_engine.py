@@ -7,8 +7,9 @@
 Each task runs the point notebook under papermill in a fresh kernel on whichever node Ray picks, in a
 scratch folder there, and returns its row, the executed notebook and the record: the driver writes them
 into OUT (the nodes need kvlab installed, not a shared file system). A task asks for what its point's
-device needs, one GPU for a CUDA point and one CPU otherwise (`num_gpus`/`num_cpus` override): a task
-asking for a GPU the cluster does not have would wait forever, so such a sweep is refused up front.
+device needs, one GPU for a CUDA point and one CPU otherwise (`num_gpus`/`num_cpus` override; a fraction,
+e.g. `--num-gpus 0.25`, lets four points share one card): a task asking for a GPU the cluster does not have
+would wait forever, so such a sweep is refused up front.
 Ctrl-C cancels the tasks still running; the rows already written stay, and a rerun resumes.
 """
 
@@ -30,7 +31,8 @@ def point_resources(params: dict, num_cpus: float | None = None, num_gpus: float
                 num_gpus=(1 if cuda else 0) if num_gpus is None else num_gpus)
 
 
-def run_point_task(params: dict, notebook_text: str, kernel_name: str | None = None) -> tuple[dict, str, str]:
+def run_point_task(params: dict, notebook_text: str, kernel_name: str | None = None,
+                   timeout: int | None = None) -> tuple[dict, str, str]:
     """Inside a Ray task, on any node: one point in a scratch folder → (row, executed notebook, record)."""
     with tempfile.TemporaryDirectory(prefix="kvlab-point-") as scratch:
         scratch = Path(scratch)
@@ -39,14 +41,15 @@ def run_point_task(params: dict, notebook_text: str, kernel_name: str | None = N
         notebook = scratch / "point.ipynb"
         notebook.write_text(notebook_text)
         with kernel_environment([params]):
-            row = run_one(params, scratch, notebook, kernel_name)
+            row = run_one(params, scratch, notebook, kernel_name, timeout)
         executed = scratch / row["notebook"] if row["notebook"] else None
         records = list((scratch / "records").glob("*.json"))
         return (row, executed.read_text() if executed and executed.exists() else None,
                 records[0].read_text() if records else None)
 
 
-def run_on_ray(todo: list[dict], out: Path, notebook: Path, kernel_name: str | None = None, *,
+def run_on_ray(todo: list[dict], out: Path, notebook: Path, kernel_name: str | None = None,
+               point_timeout: int | None = None, *,
                address: str | None = None, num_cpus: float | None = None, num_gpus: float | None = None):
     """Submit every point as a task and yield each row as its task ends (see the module's docstring).
 
@@ -73,7 +76,7 @@ def run_on_ray(todo: list[dict], out: Path, notebook: Path, kernel_name: str | N
         for params in todo:
             ref = task.options(**point_resources(params, num_cpus, num_gpus), max_retries=0,
                                name=f"kvlab point {params['cache']}/{params['loop']}").remote(params, notebook_text,
-                                                                                             kernel_name)
+                                                                                             kernel_name, point_timeout)
             pending[ref] = (params, time.perf_counter())
         while pending:
             [ref], _ = ray.wait(list(pending), num_returns=1)

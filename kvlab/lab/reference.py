@@ -32,7 +32,7 @@ RELEASES = {
     "4.42.4": (ROOT / ".legacy-tf-4.42", ("transformers==4.42.4", "tokenizers==0.19.1", "huggingface-hub==0.23.4",
                                           "numpy==1.26.4", "safetensors==0.4.3")),
 }
-DEFAULT_TARGET = RELEASES["4.40.1"][0]  # where gpu/h200_run.sh and the wheelhouse put 4.40.1
+DEFAULT_TARGET = RELEASES["4.40.1"][0]  # where gpu/run.sh and the wheelhouse put 4.40.1
 
 # The config values that shape the memory; plain values, so any release's config class accepts them.
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",

@@ -65,10 +65,13 @@ def kernel_environment(points: list[dict]):
                 os.environ[key] = value
 
 
-def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = None) -> dict:
+def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = None,
+            timeout: int | None = None) -> dict:
     """Execute the point notebook for one point in a fresh kernel; return its results row.
 
     The executed notebook goes to OUT/notebooks/, the point's record to OUT/records/ (both folders must exist).
+    `timeout`: seconds each cell may run (papermill's execution_timeout; the measurement is one cell); a point
+    past it is a "failed" row, its kernel shut down.
     """
     import papermill
 
@@ -84,10 +87,13 @@ def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = N
         parameters = dict(params, record_path=str(record_path))
         papermill.execute_notebook(str(notebook), str(executed), parameters=parameters,
                                    kernel_name=kernel_name or notebook_kernel(), progress_bar=False, log_output=False,
-                                   cwd=str(PACKAGE_DIR.parent), extra_arguments=QUIET_KERNEL)
+                                   cwd=str(PACKAGE_DIR.parent), extra_arguments=QUIET_KERNEL,
+                                   execution_timeout=timeout)
         row.update(json.loads(record_path.read_text()), status="ok", error=None)
     except TooBig as error:  # refused: no notebook was run
         row.update(status="too-big", error=str(error), notebook=None)
+    except TimeoutError:  # nbclient's CellTimeoutError, raised by papermill's execution_timeout
+        row = mark_failed(row, "TimeoutError", f"timed out after {timeout} s (a cell of the point notebook)")
     except Exception as error:  # a failed point is a row, not the end of the sweep
         row = mark_failed(row, getattr(error, "ename", type(error).__name__), getattr(error, "evalue", error))
     row["elapsed_s"] = round(time.perf_counter() - clock, 2)

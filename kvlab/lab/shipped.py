@@ -1,4 +1,4 @@
-"""A file named on the command line: a path, or the name of one shipped with kvlab (kvlab/sweeps, streams, plans)."""
+"""A file named on the command line: a path, or the name of one shipped with kvlab (kvlab/lab/sweeps, streams)."""
 
 from __future__ import annotations
 

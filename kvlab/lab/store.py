@@ -74,6 +74,18 @@ def replace_text(path: str | os.PathLike, text: str) -> None:
     os.replace(temporary, path)
 
 
+def _rewrite(path: Path, columns: list[str], kept: list[dict], added: list[dict]) -> None:
+    replace_text(path, "".join(_csv_line(r, columns) for r in [dict(zip(columns, columns)), *kept, *added]))
+
+
+def replace_rows(path: str | os.PathLike, rows: list[dict], replaced, columns: list[str]) -> None:
+    """Write `rows` in place of the stored rows for which `replaced(row)` is true and keep the others, under
+    the file's lock, the file replaced at once (the request stream, kvlab.encdec.stream, stores its rows so)."""
+    path = Path(path)
+    with locked(path):
+        _rewrite(path, columns, [row for row in _read_rows(path)[1] if not replaced(row)], rows)
+
+
 def append_row(path: str | os.PathLike, row: dict) -> None:
     """Add one point's row; a rerun point replaces its earlier failure rows instead of duplicating them."""
     path = Path(path)
@@ -84,9 +96,7 @@ def append_row(path: str | os.PathLike, row: dict) -> None:
         extra = [key for key in row if key not in columns]
         previous = [r for r in rows if r.get("point_id") == row["point_id"]]
         if extra or previous or not path.exists():
-            kept = [r for r in rows if r.get("point_id") != row["point_id"]]
-            columns += extra
-            replace_text(path, "".join(_csv_line(r, columns) for r in [dict(zip(columns, columns)), *kept, row]))
+            _rewrite(path, columns + extra, [r for r in rows if r.get("point_id") != row["point_id"]], [row])
             return
         # One write() of the whole line on an O_APPEND file: a kill cannot leave half a row.
         descriptor = os.open(path, os.O_WRONLY | os.O_APPEND)

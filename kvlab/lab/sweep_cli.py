@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .point import DEFAULTS
 from .engines import ENGINES, run_sweep
-from .grid import SWEEPS_DIR, expand, load_sweep, merge_grid_items, point_id, point_label, validate
+from .grid import SWEEPS_DIR, expand, load_sweep, merge_grid_items, point_id, point_label, read_sweep, validate
 from .runner import POINT_NOTEBOOK
 
 DESCRIPTION = "Run a grid of experiment points with papermill: one fresh kernel per point, resumable, failures are rows."
@@ -27,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kernel", default=None, help="Jupyter kernel name (default: the notebook's)")
     parser.add_argument("--dry-run", action="store_true", help="validate and list the points, run nothing")
     parser.add_argument("--force", action="store_true", help="run points predicted not to fit in free memory too")
+    parser.add_argument("--point-timeout", type=int, default=None, metavar="SECONDS",
+                        help="seconds a cell of a point's notebook may run; past it the point is a failed row "
+                        "(default: the sweep file's point_timeout_s, else no limit)")
     ray = parser.add_argument_group("engine", "where the points run (the results folder is the same for both)")
     ray.add_argument("--engine", default="local", metavar="{" + ",".join(ENGINES) + "}",
                      help="local: one point after the other here (default); ray: a Ray task per point")
@@ -55,17 +58,23 @@ def main(argv=None) -> None:
             grid.pop("force", None)
             fixed["force"] = True
         points = validate(expand(fixed, grid), devices_here=args.engine == "local")
+        timeout = args.point_timeout
+        if timeout is None and args.file:
+            timeout = read_sweep(args.file).get("point_timeout_s")
+        if timeout is not None and timeout < 1:
+            raise ValueError(f"--point-timeout must be a positive number of seconds, got {timeout}")
         name = Path(args.file).stem if args.file else "sweep"
         out = Path(args.out or Path("results") / name)
         if args.dry_run:
             for params in points:
                 print(point_id(params), point_label(params))
-            print(f"{len(points)} points; results would go to {out / 'results.csv'}")
+            print(f"{len(points)} points; results would go to {out / 'results.csv'}"
+                  + (f"; each cell of a point may run {timeout} s" if timeout else ""))
             return
         command = " ".join(["python -m kvlab sweep", *(argv if argv is not None else sys.argv[1:])])
         engine_options = dict(address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
         run_sweep(points, out, notebook=args.notebook, kernel_name=args.kernel, command=command,
-                  engine=args.engine, **(engine_options if args.engine == "ray" else {}))
+                  engine=args.engine, point_timeout=timeout, **(engine_options if args.engine == "ray" else {}))
     except ValueError as error:
         print(f"kvlab sweep: error: {error}", file=sys.stderr)
         sys.exit(2)
