@@ -162,8 +162,10 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "d
                 attention_mask=None if device.type == "meta" else mask,  # meta: no values to inspect
                 **forward_options)
             if release.keeps_previous_outputs:
-                outputs = new_outputs  # v4.40: the previous step's outputs die only now
-                next_logits = outputs.logits[:, -1, :]  # a view: it keeps all of them alive
+                # v4.40: the previous step's outputs die only now. Kept for their bytes: every fed position's
+                # logits (the next-token logits are a view into them) and the cache object the forward returned.
+                outputs = new_outputs
+                next_logits = outputs.logits[:, -1, :]
             else:  # v4.42: outputs deleted, the last position's logits cloned
                 next_logits = new_outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32)
             kv = handed_back  # tuple: the caller's old tuple dies here, not before (other designs: the same object)
