@@ -56,8 +56,7 @@ class _OwnLayer(CacheLayerMixin):
     def crop(self, tokens_to_remove: int) -> None:
         """Remove `-tokens_to_remove` tokens, as transformers 5.x's `DynamicLayer.crop` (a positive count raises)."""
         if tokens_to_remove > 0:
-            raise ValueError(f"Calling `crop` with a positive value (`{tokens_to_remove}`) is not supported. "
-                             "Please use a negative integer to remove that number of tokens from the cache instead.")
+            raise ValueError(f"crop takes minus the number of tokens to remove, got {tokens_to_remove}")
         if tokens_to_remove < 0 and self.get_seq_length() > 0:
             self._keep(max(0, self.get_seq_length() + tokens_to_remove))
 

@@ -6,14 +6,15 @@ where the keys and values live. Any loop runs with any design; the releases are:
 - v4.40 (transformers <= 4.41): the previous step's `outputs` was only dropped when the next forward
   returned, and the next-token logits were a view into it, so the prompt's full-vocabulary logits lived
   into step 2 (and, in beam search, the un-reordered cache the forward returned);
-- v4.42 (PR #30536 as released): `outputs` deleted and the last token's logits cloned every step;
+- v4.42 (PR #30536 as released): `outputs` deleted and the last token's logits cloned every step, so a
+  beam reorder frees each old tensor as its copy replaces it;
 - v5 (transformers 5.x `generate()`): the same loop on today's forward.
 
 The forward differs by major version. 4.x upcast the logits of every position to fp32 (the prompt's logits
 exist twice, briefly, in step 1 in bf16) and ran SDPA on `repeat_kv` copies of a layer's keys and values
 for grouped-query models. 5.x computes the last position's logits only (`logits_to_keep=1`), does not
-upcast them, and passes `enable_gqa` instead. The loop never stops early (there is no EOS), so every run
-decodes exactly `new_tokens` steps.
+upcast them, and passes `enable_gqa` instead; its beam search preallocates its sequences. The loop never
+stops early (there is no EOS), so every run decodes exactly `new_tokens` steps.
 """
 
 from __future__ import annotations

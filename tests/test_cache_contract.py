@@ -161,11 +161,9 @@ def test_crop_removes_tokens_as_dynamic_layer_crop(design, tokens_to_remove):
 @pytest.mark.parametrize("design", DESIGNS)
 def test_crop_refuses_a_positive_count_as_dynamic_layer_crop(design):
     ours, theirs = filled(design, num_layers=2, steps=3)
-    with pytest.raises(ValueError) as expected:
-        theirs.crop(3)
-    with pytest.raises(ValueError) as refused:
-        ours.crop(3)
-    assert str(refused.value) == str(expected.value)
+    for cache in (theirs, ours):
+        with pytest.raises(ValueError, match="crop"):
+            cache.crop(3)
     assert_same(ours, theirs)  # nothing removed
 
 
