@@ -1,8 +1,9 @@
 """The KV-cache designs, as transformers cache layers that the model's own forward updates.
 
-- tuple:    transformers <= 4.41. The caller keeps a tuple of (key, value) per layer; each step it is
-            wrapped in a fresh cache object (no copy), each layer `torch.cat`s into a new tensor, and a
-            new tuple is handed back. The caller still holds the old tuple, so both live at once.
+- tuple:    transformers <= 4.41 (`TupleCache`). The caller holds a tuple of (keys, values) per layer; each
+            forward wraps it in a fresh cache object (no copy), each layer `torch.cat`s into a new tensor,
+            and a new tuple is handed back. The caller holds the old tuple until the forward returns, so
+            both live at once.
 - dynamic:  PR #30536's final design and transformers' `DynamicLayer` today: ONE cache object for the
             whole loop; `self.keys = cat(...)` drops the only reference to the old tensor, which is
             freed at once. Still a full copy of the layer per step (the new tensor), just not kept.
@@ -12,8 +13,9 @@
 - prealloc: ours: a buffer per layer that grows in blocks of `block_tokens`; each step writes in
             place and attention gets a view. No full-layer copy per step, no maximum length up front.
 
-Layers subclass transformers' `CacheLayerMixin` (as `StaticLayer` does) and implement every method of
-its contract; a method a design cannot honour raises instead of silently acting on a view.
+Our layers subclass transformers' `CacheLayerMixin` (as `StaticLayer` does) and keep its whole contract:
+`keys` and `values` are the layer's tensors, `crop` removes tokens as 5.x's `DynamicLayer.crop` does, and
+beam reordering, offloading and batch selection act on each stored tensor in turn.
 """
 
 from __future__ import annotations
@@ -23,27 +25,22 @@ import math
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, StaticCache
 
+from .compat import cache_argument
+
 CACHES = ("tuple", "dynamic", "list", "static", "prealloc")
-RENAMED = {"legacy": "tuple", "inplace": "dynamic"}  # names before the fidelity issue
-
-
-def check_cache_name(name: str) -> None:
-    if name in RENAMED:
-        raise ValueError(f"cache {name!r} is now called {RENAMED[name]!r}; choose one of: {', '.join(CACHES)}")
-    if name not in CACHES:
-        raise ValueError(f"unknown cache {name!r}; choose one of: {', '.join(CACHES)}")
 
 
 class CatLayer(DynamicLayer):
-    """`dynamic`: transformers' own `DynamicLayer.update` (cat and replace), kept as a named class so the
-    meter and the notebooks can point at it; everything else is DynamicLayer's."""
+    """`dynamic` (and each layer of `tuple`): transformers' own `DynamicLayer` (cat and replace), kept as a
+    named class so the meter and the notebooks can point at it; everything else is DynamicLayer's."""
 
     def tensors(self):
         return [self.keys, self.values] if self.is_initialized else []
 
 
 class _OwnLayer(CacheLayerMixin):
-    """The contract methods our own layers share; what a design cannot do raises with its name."""
+    """What our two layers share. Each defines `_each(fn)` (replace every stored tensor by `fn` of it, one at
+    a time: the transient is one chunk or buffer, never the layer) and `_keep(length)`."""
 
     is_croppable = True
 
@@ -56,30 +53,56 @@ class _OwnLayer(CacheLayerMixin):
     def get_max_length(self) -> int:
         return -1  # grows without a maximum
 
-    def _unsupported(self, what: str):
-        raise NotImplementedError(f"{type(self).__name__} (kvlab) does not support {what}")
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove `-tokens_to_remove` tokens, as transformers 5.x's `DynamicLayer.crop` (a positive count raises)."""
+        if tokens_to_remove > 0:
+            raise ValueError(f"crop takes minus the number of tokens to remove, got {tokens_to_remove}")
+        if tokens_to_remove < 0 and self.get_seq_length() > 0:
+            self._keep(max(0, self.get_seq_length() + tokens_to_remove))
 
-    def offload(self):
-        self._unsupported("offloading (its keys/values are views or chunks, not the stored tensors)")
-
-    def prefetch(self):
-        self._unsupported("prefetching")
+    def reorder_cache(self, beam_idx) -> None:
+        self._each(lambda tensor: tensor.index_select(0, beam_idx.to(tensor.device)))
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self._unsupported("batch_repeat_interleave (contrastive search / assisted decoding)")
+        self._each(lambda tensor: tensor.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices) -> None:
-        self._unsupported("batch_select_indices")
+        self._each(lambda tensor: tensor[indices, ...])
+
+    def offload(self):
+        self._each(lambda tensor: tensor.to("cpu", non_blocking=True))
+
+    def prefetch(self):
+        if self.tensors() and self.tensors()[0].device != self.device:
+            self._each(lambda tensor: tensor.to(self.device, non_blocking=True))
+
+
+class _Joined:
+    """`ListLayer.keys` / `.values`: the chunks joined, built at each read and not kept (one chunk is returned
+    as is). Cost: a read of a layer of several chunks is one transient copy of it, alive while the reader
+    holds it, as the concatenation `update` hands attention; setting one makes it the only chunk."""
+
+    def __init__(self, chunks: str):
+        self.chunks = chunks
+
+    def __get__(self, layer, owner=None):
+        if layer is None:
+            return self
+        chunks = getattr(layer, self.chunks)
+        return torch.cat(chunks, dim=-2) if len(chunks) > 1 else chunks[0] if chunks else None
+
+    def __set__(self, layer, tensor):
+        setattr(layer, self.chunks, [] if tensor is None else [tensor])
 
 
 class ListLayer(_OwnLayer):
     """`list`: chunks; attention gets their concatenation (a transient copy of the layer)."""
 
+    keys, values = _Joined("key_chunks"), _Joined("value_chunks")
+
     def __init__(self, chunk_limit: int = 50):
-        super().__init__()
+        super().__init__()  # keys = values = None: no chunks
         self.chunk_limit = chunk_limit
-        self.key_chunks: list[torch.Tensor] = []
-        self.value_chunks: list[torch.Tensor] = []
 
     def update(self, key_states, value_states, *args, **kwargs):
         if not self.is_initialized:
@@ -89,27 +112,22 @@ class ListLayer(_OwnLayer):
         if len(self.key_chunks) >= self.chunk_limit:  # consolidate: the list becomes one chunk
             self.key_chunks = [torch.cat(self.key_chunks, dim=-2)]
             self.value_chunks = [torch.cat(self.value_chunks, dim=-2)]
-        if len(self.key_chunks) == 1:
-            return self.key_chunks[0], self.value_chunks[0]
-        return torch.cat(self.key_chunks, dim=-2), torch.cat(self.value_chunks, dim=-2)
+        return self.keys, self.values
 
     def get_seq_length(self) -> int:
         return sum(chunk.shape[-2] for chunk in self.key_chunks)
 
     def reset(self) -> None:
-        self.key_chunks, self.value_chunks = [], []
+        self.keys = self.values = None
 
-    def crop(self, tokens_to_remove: int) -> None:
-        keep = max(0, self.get_seq_length() - abs(tokens_to_remove))
-        if self.key_chunks:
-            self.key_chunks = [torch.cat(self.key_chunks, dim=-2)[..., :keep, :]]
-            self.value_chunks = [torch.cat(self.value_chunks, dim=-2)[..., :keep, :]]
+    def _keep(self, length: int) -> None:
+        self.keys = self.keys[..., :length, :]
+        self.values = self.values[..., :length, :]
 
-    def reorder_cache(self, beam_idx):
-        # Chunk by chunk: the transient is one chunk, never the whole layer.
+    def _each(self, fn) -> None:
         for chunks in (self.key_chunks, self.value_chunks):
             for i, chunk in enumerate(chunks):
-                chunks[i] = chunk.index_select(0, beam_idx.to(chunk.device))
+                chunks[i] = fn(chunk)
 
     def tensors(self):
         return self.key_chunks + self.value_chunks
@@ -134,12 +152,8 @@ class PreallocLayer(_OwnLayer):
             self.value_buffer = self._grown(self.value_buffer, value_states, end)
         self.key_buffer[:, :, start:end].copy_(key_states)
         self.value_buffer[:, :, start:end].copy_(value_states)
-        self.length = end
-        self._expose()
+        self._keep(end)
         return self.keys, self.values
-
-    def _expose(self):
-        self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
 
     def _grown(self, buffer, like, needed):
         """A buffer with room for `needed` tokens rounded up to a block; the old one dies on return."""
@@ -153,23 +167,19 @@ class PreallocLayer(_OwnLayer):
         return self.length
 
     def reset(self) -> None:
-        self.length = 0
-        if self.key_buffer is not None:
-            self._expose()
+        self._keep(0)  # the buffers stay, to be written again
 
-    def crop(self, tokens_to_remove: int) -> None:
-        self.length = max(0, self.length - abs(tokens_to_remove))
+    def _keep(self, length: int) -> None:
+        self.length = length
         if self.key_buffer is not None:
-            self._expose()
+            self.keys, self.values = self.key_buffer[:, :, :length], self.value_buffer[:, :, :length]
 
-    def reorder_cache(self, beam_idx):
-        # One buffer at a time: the transient is one layer's keys (or values), as for `dynamic`.
-        if self.key_buffer is None:
-            return
-        self.keys = self.values = None
-        self.key_buffer = self.key_buffer.index_select(0, beam_idx.to(self.device))
-        self.value_buffer = self.value_buffer.index_select(0, beam_idx.to(self.device))
-        self._expose()
+    def _each(self, fn) -> None:
+        if self.key_buffer is not None:
+            self.keys = self.values = None  # views of the old buffers would keep them alive
+            self.key_buffer = fn(self.key_buffer)
+            self.value_buffer = fn(self.value_buffer)
+            self._keep(self.length)
 
     def tensors(self):
         return [t for t in (self.key_buffer, self.value_buffer) if t is not None]
@@ -181,20 +191,38 @@ class KVCache(Cache):
     def __init__(self, layers):
         super().__init__(layers=layers)
 
-
-class TupleRoundTripCache(KVCache):
-    """The <= 4.41 round trip: tuple in, fresh cache object around it, new tuple out."""
-
     @classmethod
     def from_tuples(cls, past, num_layers: int):
+        """A cache whose layers point at the tensors of `past`, a tuple of (keys, values) per layer: no copy
+        (<= 4.41's `DynamicCache.from_legacy_cache`)."""
         cache = cls([CatLayer() for _ in range(num_layers)])
-        for layer, (keys, values) in zip(cache.layers, past or ()):
-            # Wrapping copies nothing: the layer points at the caller's tensors.
+        for layer, (keys, values) in zip(cache.layers, past):
             layer.keys, layer.values, layer.device, layer.is_initialized = keys, values, keys.device, True
         return cache
 
-    def to_tuples(self):
-        return tuple((layer.keys, layer.values) for layer in self.layers)
+    def to_tuples(self) -> tuple:
+        """The layers' own tensors as a tuple of (keys, values): no copy (<= 4.41's `to_legacy_cache`)."""
+        return tuple((layer.keys, layer.values) for layer in self.layers if layer.is_initialized)
+
+
+class TupleCache(KVCache):
+    """`tuple`: the caller's tuple (this object's layers hold its tensors) and the <= 4.41 round trip."""
+
+    def round_trip(self, model, **inputs):
+        """One forward as <= 4.41 ran it; returns (outputs, the TupleCache of the new tuple). `self` is not
+        changed: a caller who still holds it holds the old tuple."""
+        step_cache = KVCache.from_tuples(self.to_tuples(), len(self.layers))  # a fresh cache object, no copy
+        # Each layer cats into a new tensor while `self` still holds the old one: at the last layer, two caches.
+        outputs = model(**inputs, **{cache_argument(model): step_cache})
+        return outputs, TupleCache.from_tuples(step_cache.to_tuples(), len(self.layers))
+
+
+def forward(model, cache, **inputs):
+    """`model(**inputs)` reading and extending `cache`; returns (outputs, the cache to continue from): the same
+    object, updated in place by the model's layers, for every design but `tuple`, which makes its round trip."""
+    if isinstance(cache, TupleCache):
+        return cache.round_trip(model, **inputs)
+    return model(**inputs, **{cache_argument(model): cache}), cache
 
 
 def num_layers(model) -> int:
@@ -202,11 +230,12 @@ def num_layers(model) -> int:
 
 
 def make_cache(name: str, model, *, max_cache_len: int | None = None, chunk_limit: int = 50, block_tokens: int = 32):
-    """An empty cache of design `name` for `model` (for `tuple`: None, i.e. no tuple yet)."""
-    check_cache_name(name)
+    """An empty cache of design `name` for `model`."""
+    if name not in CACHES:
+        raise ValueError(f"unknown cache {name!r}; choose one of: {', '.join(CACHES)}")
     layers = num_layers(model)
     if name == "tuple":
-        return None
+        return TupleCache.from_tuples((), layers)
     if name == "dynamic":
         return KVCache([CatLayer() for _ in range(layers)])
     if name == "list":
@@ -219,25 +248,19 @@ def make_cache(name: str, model, *, max_cache_len: int | None = None, chunk_limi
 
 
 def cache_tensors(cache) -> list[torch.Tensor]:
-    """Every tensor a cache (object or tuple) holds, for labelling and sizing."""
-    if cache is None:
-        return []
+    """Every tensor a cache (object, or tuple of pairs) holds, for labelling and sizing."""
     if isinstance(cache, (tuple, list)):
-        return [tensor for layer in cache if layer is not None for tensor in layer]
+        return [tensor for layer in cache for tensor in layer]
     tensors = []
     for layer in cache.layers:
         if hasattr(layer, "tensors"):
             tensors += layer.tensors()
-        elif getattr(layer, "is_initialized", False):
+        elif layer.is_initialized:  # transformers' own layers (static)
             tensors += [layer.keys, layer.values]
     return tensors
 
 
 def cache_length(cache) -> int:
-    if cache is None:
-        return 0
-    if isinstance(cache, (tuple, list)):
-        return cache[0][0].shape[-2] if cache else 0
     return int(cache.get_seq_length())
 
 

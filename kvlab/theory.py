@@ -98,7 +98,7 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
             if strategy in ("beam", "sample"):
                 previous[f"previous step's {'beam scores' if strategy == 'beam' else 'probabilities'} (fp32)"] = (
                     s.rows * s.vocab * FP32)
-        if strategy == "beam" and release.preallocates_beam_buffers:
+        if strategy == "beam" and release.major == 5:
             length, count = (prompt + new, new) if call == 0 else (prompt + new + restart_new, restart_new)
             persistent["5.x beam bookkeeping (sequences, beam indices)"] = 2 * s.rows * (length * INT64 + count * 4)
         if tuple_cache and call == 1 and not first_of_call:
@@ -130,7 +130,7 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
         if cache == "prealloc" and before > 0 and capacity_of(after) > capacity_of(before):
             update["old values buffer during growth"] = s.t * capacity_of(before)
         # ... and its attention, which <= 4.42 ran on repeat_kv copies of the layer's keys and values.
-        if release.repeats_kv and groups > 1:
+        if release.major == 4 and groups > 1:
             attention["repeat_kv copies of one layer (<= 4.42 SDPA)"] = 2 * groups * s.t * (
                 static_len if cache == "static" else after)
         phases = {"update": update, "attention": attention}
@@ -141,11 +141,11 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
                          "embeddings, residual stream and normed input": hidden_states + s.rows * fed * s.hidden * s.e,
                          "rotary cos and sin": rotary}
         # Phase: the lm_head; <= 4.42 also upcast every fed position's logits to fp32 in the forward.
-        kept = 1 if release.last_position_logits_only else fed
+        kept = 1 if release.major == 5 else fed
         phases["lm_head"] = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
                              "logits of the kept positions": s.rows * kept * s.vocab * s.e,
                              "fp32 upcast of every position's logits (<= 4.42)": s.rows * fed * s.vocab * FP32
-                             if release.upcasts_every_position and s.e != FP32 else 0,
+                             if release.major == 4 and s.e != FP32 else 0,
                              "final hidden states": s.rows * fed * s.hidden * s.e}
         # Phase: beam reorder after the forward.
         if strategy == "beam":

@@ -34,9 +34,7 @@ def test_measure_prints_one_flat_json_record():
 BAD_INPUTS = [
     (["--preset", "gpt5"], "toy, tinyllama-1.1b"),
     (["--cache", "paged"], "tuple, dynamic, list, static, prealloc"),
-    (["--cache", "inplace"], "now called 'dynamic'"),
     (["--loop", "v4.41"], "v4.40, v4.42, v5"),
-    (["--loop", "fixed"], "now the loop 'v4.42 or v5'"),
     (["--strategy", "topk"], "greedy, sample, beam"),
     (["--batch", "0"], "batch must be a positive integer"),
     (["--new", "-5"], "new must be a positive integer"),

@@ -8,9 +8,8 @@ import pytest
 import torch
 
 from kvlab import theory
-from kvlab.caches import CACHES, cache_tensors, make_cache
+from kvlab.caches import CACHES, KVCache, TupleCache, cache_tensors, make_cache
 from kvlab.compat import cache_argument
-from kvlab.loops import _reorder_layers_in_place, _reorder_tuple_copy
 from kvlab.lab.point import DESIGNS, measure, run_point
 from kvlab.meter import MemoryMeter
 from kvlab.models import build_model
@@ -110,10 +109,16 @@ def _reorder_transient(make, reorder):
 def test_tuple_reorder_layer_by_layer_needs_one_tensor_not_the_cache():
     layers, shape = 6, (4, 2, 100, 8)
     one_tensor = 4 * 2 * 100 * 8 * 4
-    pairs = lambda: [(torch.randn(shape), torch.randn(shape)) for _ in range(layers)]  # noqa: E731
-    assert _reorder_transient(pairs, _reorder_layers_in_place) == one_tensor
-    # v4.40: a new tuple is built while the old one is still held: the whole cache again.
-    assert _reorder_transient(lambda: tuple(pairs()), _reorder_tuple_copy) == 2 * layers * one_tensor
+    pairs = lambda: TupleCache.from_tuples([(torch.randn(shape), torch.randn(shape)) for _ in range(layers)],  # noqa: E731
+                                           layers)
+    assert _reorder_transient(pairs, lambda kv, beam_idx: kv.reorder_cache(beam_idx)) == one_tensor
+
+    # v4.40: `outputs` still holds the step's cache object around the old tensors: the whole cache again.
+    def held_by_outputs():
+        kv = pairs()
+        return kv, KVCache.from_tuples(kv.to_tuples(), layers)
+    assert _reorder_transient(held_by_outputs, lambda held, beam_idx: held[0].reorder_cache(beam_idx)) == (
+        2 * layers * one_tensor)
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "list", "prealloc", "static"])

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from kvlab.caches import CACHES, ListLayer, PreallocLayer, make_cache
+from kvlab.caches import CACHES, make_cache
 from kvlab.compat import cache_argument
-from kvlab.loops import LOOPS, generate
+from kvlab.loops import LOOPS, Sampling, generate
 
 
 def reference(model, prompt, new, **kwargs):
@@ -67,10 +67,11 @@ def test_restart_from_a_held_cache_continues_the_same_sequence(toy, prompt, cach
 
 
 def test_seeded_sampling_is_reproducible_and_cache_independent(toy, prompt):
-    runs = [generate(toy, prompt, 16, cache=cache, strategy="sample", temperature=0.8, top_k=20, top_p=0.9,
-                     seed=7).tokens for cache in ("tuple", "dynamic", "prealloc")]
+    runs = [generate(toy, prompt, 16, cache=cache, strategy="sample",
+                     sampling=Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)).tokens
+            for cache in ("tuple", "dynamic", "prealloc")]
     assert all(torch.equal(run, runs[0]) for run in runs)
-    other_seed = generate(toy, prompt, 16, strategy="sample", temperature=0.8, top_k=20, seed=8).tokens
+    other_seed = generate(toy, prompt, 16, strategy="sample", sampling=Sampling(temperature=0.8, top_k=20, seed=8)).tokens
     assert not torch.equal(other_seed, runs[0])
 
 
@@ -79,22 +80,3 @@ def test_our_layers_are_accepted_by_transformers_own_generate(toy, prompt, cache
     expected = reference(toy, prompt, 12)
     cache_object = {cache_argument(toy): make_cache(cache, toy)}  # the keyword this transformers uses
     assert torch.equal(reference(toy, prompt, 12, **cache_object), expected)
-
-
-@pytest.mark.parametrize("layer", [ListLayer(), PreallocLayer()], ids=["list", "prealloc"])
-def test_a_layer_method_a_design_cannot_honour_raises(layer):
-    keys = torch.zeros(2, 1, 3, 4)
-    layer.update(keys, keys)
-    for call in (layer.offload, layer.prefetch, lambda: layer.batch_repeat_interleave(2),
-                 lambda: layer.batch_select_indices(torch.tensor([0]))):
-        with pytest.raises(NotImplementedError, match="does not support"):
-            call()
-    layer.crop(-1)  # what they can do, they do on their own storage
-    assert layer.get_seq_length() == 2 and layer.get_mask_sizes(1) == (3, 0)
-
-
-def test_old_names_are_refused_with_the_new_ones(toy, prompt):
-    with pytest.raises(ValueError, match="'inplace' is now called 'dynamic'"):
-        generate(toy, prompt, 2, cache="inplace")
-    with pytest.raises(ValueError, match="'legacy' is now the loop 'v4.40'"):
-        generate(toy, prompt, 2, loop="legacy")

@@ -29,7 +29,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging as hf_logging
 
-from ..caches import TupleRoundTripCache, num_layers
+from ..caches import TupleCache, num_layers
 from ..compat import cache_argument
 from .conversion import to_cache, to_tuples
 from ..loops import Generation
@@ -68,21 +68,19 @@ def check_runtime(runtime: str, cache: str | None = None, loop: str = "v5", stra
 
 class TupleStep(torch.nn.Module):
     """One forward with the cache as flat tensors: (input_ids, position_ids, k0, v0, k1, v1, ...) ->
-    (next-token logits, new k0, v0, ...). Only tensors cross, so `torch.jit.trace` accepts it; the cache
-    object inside wraps the given tensors without copying (as <= 4.41 did)."""
+    (next-token logits, new k0, v0, ...). Only tensors cross, so `torch.jit.trace` accepts it; inside, the
+    tuple design's round trip (`kvlab.caches.TupleCache`) wraps the given tensors without copying."""
 
     def __init__(self, model):
         super().__init__()
         self.model = model
         self.layers = num_layers(model)
-        self.argument = cache_argument(model)
 
     def forward(self, input_ids, position_ids, *flat_cache):
         pairs = [(flat_cache[i], flat_cache[i + 1]) for i in range(0, len(flat_cache), 2)]
-        cache = TupleRoundTripCache.from_tuples(pairs, self.layers)
-        outputs = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=1,
-                             **{self.argument: cache})
-        return (outputs.logits[:, -1, :],) + tuple(t for layer in cache.layers for t in (layer.keys, layer.values))
+        outputs, new = TupleCache.from_tuples(pairs, self.layers).round_trip(
+            self.model, input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=1)
+        return (outputs.logits[:, -1, :],) + tuple(t for pair in new.to_tuples() for t in pair)
 
 
 @dataclass

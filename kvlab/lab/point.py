@@ -21,8 +21,8 @@ import torch
 import transformers
 
 from .. import __version__, theory
-from ..caches import check_cache_name
-from ..loops import LOOPS, STRATEGIES, check_choice, generate
+from ..caches import CACHES
+from ..loops import LOOPS, STRATEGIES, Sampling, check_choice, generate
 from ..meter import MemoryMeter
 from ..models import check_device, kv_bytes_per_token, load_config, parse_dtype, parse_overrides, resolve_device
 
@@ -81,14 +81,12 @@ def is_true(value) -> bool:
 
 def normalize(**params) -> dict:
     """Fill defaults and check every choice and size, before anything is allocated."""
-    if "pattern" in params:
-        raise ValueError("the parameter 'pattern' is now 'loop': v4.40 (was legacy), v4.42 or v5 (was fixed)")
     unknown = set(params) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))}; valid: {', '.join(DEFAULTS)}")
     p = {**DEFAULTS, **{k: v for k, v in params.items() if v is not None}}
     check_choice("kind", p["kind"], KINDS)
-    check_cache_name(p["cache"])
+    check_choice("cache", p["cache"], CACHES)
     check_choice("loop", p["loop"], LOOPS)
     check_choice("strategy", p["strategy"], STRATEGIES)
     if p["kind"] == "reference":
@@ -163,10 +161,9 @@ def measure(model=None, **params):
     generator = torch.Generator().manual_seed(p["seed"])
     prompt = torch.randint(0, config.vocab_size, (p["batch"], p["prompt"]), generator=generator).to(p["device"])
     options = dict(cache=p["cache"], loop=p["loop"], strategy=p["strategy"], num_beams=p["num_beams"],
-                   seed=p["seed"], cache_options=dict(chunk_limit=p["chunk_limit"], block_tokens=p["block_tokens"],
-                                                      max_cache_len=p["prompt"] + p["new"] + p["restart_new"] - 1))
-    if p["strategy"] == "sample":
-        options.update(temperature=0.7, top_k=50, top_p=0.9)
+                   sampling=Sampling(temperature=0.7, top_k=50, top_p=0.9, seed=p["seed"]),
+                   cache_options=dict(chunk_limit=p["chunk_limit"], block_tokens=p["block_tokens"],
+                                      max_cache_len=p["prompt"] + p["new"] + p["restart_new"] - 1))
     graphs = None
     if p["runtime"] != "eager":  # trace or export before the meter starts (its time is recorded apart)
         from ..graphs import build_graphs

@@ -1,0 +1,288 @@
+"""kvlab's cache designs against the contract of transformers' cache layers (`CacheLayerMixin`).
+
+Adapted from transformers' own tests (tests/utils/test_cache_utils.py: CacheTest, SyntheticCacheTest,
+CacheIntegrationTest, CacheHardIntegrationTest; tests/generation/test_utils.py: assisted and prompt-lookup
+decoding), with only the class under test changed. Where an upstream test compares with text from
+pretrained weights, the reference here is the same call with transformers' own `DynamicCache` on kvlab's
+random-weight toy model; where it calls `DynamicCache` methods, the reference is transformers' `DynamicCache`.
+"""
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache, set_seed
+from transformers.cache_utils import Cache
+
+from kvlab.caches import CatLayer, KVCache, ListLayer, PreallocLayer, TupleCache
+from kvlab.compat import cache_argument, cache_from_outputs
+from kvlab.models import build_model
+
+DESIGNS = ("dynamic", "list", "prealloc", "tuple")
+LAYER = {"dynamic": CatLayer, "list": lambda: ListLayer(chunk_limit=3), "prealloc": lambda: PreallocLayer(block_tokens=4)}
+
+
+def new_cache(design: str, num_layers: int):
+    if design == "tuple":
+        return TupleCache.from_tuples((), num_layers)
+    return KVCache([LAYER[design]() for _ in range(num_layers)])
+
+
+def filled(design: str, num_layers: int = 10, shape=(4, 4, 8, 16), steps: int = 1, seed: int = 0):
+    """The cache of `design` and transformers' DynamicCache, fed the same updates (`steps` of them per layer)."""
+    generator = torch.Generator().manual_seed(seed)
+    ours, theirs = new_cache(design, num_layers), DynamicCache()
+    for step in range(steps):
+        for layer_idx in range(num_layers):
+            size = shape if step == 0 else (*shape[:2], 1, shape[-1])
+            key, value = torch.rand(size, generator=generator), torch.rand(size, generator=generator)
+            ours.update(key, value, layer_idx)
+            theirs.update(key, value, layer_idx)
+    return ours, theirs
+
+
+def assert_same(ours, theirs):
+    assert ours.get_seq_length() == theirs.get_seq_length()
+    for mine, reference in zip(ours.layers, theirs.layers, strict=True):
+        assert torch.equal(mine.keys, reference.keys) and torch.equal(mine.values, reference.values)
+
+
+# -- CacheTest ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_dynamic_cache_retrocompatibility(design):
+    """Tests that we can convert back and forth between the legacy cache format and the cache object."""
+    legacy_cache = ()
+    new_cache_ = new_cache(design, 10)
+    for layer_idx in range(10):  # a cache with 10 layers in both formats
+        new_key, new_value = torch.rand((2, 4, 8, 16)), torch.rand((2, 4, 8, 16))
+        new_cache_.update(new_key, new_value, layer_idx)
+        legacy_cache += ((new_key, new_value),)
+    layers = new_cache_.layers
+    # Sanity check 1: the same shapes; 2: the sequence length in several ways; 3: the same values
+    for layer_idx in range(10):
+        assert legacy_cache[layer_idx][0].shape == layers[layer_idx].keys.shape
+        assert legacy_cache[layer_idx][1].shape == layers[layer_idx].values.shape
+    assert legacy_cache[0][0].shape[-2] == layers[0].keys.shape[-2] == new_cache_.get_seq_length() == 8
+    for layer_idx in range(10):
+        assert torch.allclose(layers[layer_idx].keys, legacy_cache[layer_idx][0])
+        assert torch.allclose(layers[layer_idx].values, legacy_cache[layer_idx][1])
+    # Test 2: from the cache object to the legacy format with no changes (5.x: `(layer.keys, layer.values)`)
+    to_legacy = new_cache_.to_tuples()
+    for layer_idx in range(10):
+        for kv in range(2):
+            assert torch.allclose(to_legacy[layer_idx][kv], legacy_cache[layer_idx][kv])
+    # Test 1: from the legacy format to the cache object with no changes: <= 4.41's wrapping, the tuple design's
+    if design in ("tuple", "dynamic"):
+        from_legacy = type(new_cache_).from_tuples(legacy_cache, 10)
+        for layer_idx in range(10):
+            assert from_legacy.layers[layer_idx].keys is legacy_cache[layer_idx][0]  # wrapped, not copied
+            assert from_legacy.layers[layer_idx].values is legacy_cache[layer_idx][1]
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_reorder_cache_retrocompatibility(design):
+    """Tests that `reorder_cache` is retrocompatible with the legacy code path."""
+    def legacy_reorder_fn(past_key_values, beam_idx):  # an example of a legacy `_reorder_cache` function (GPT-2's)
+        return tuple(tuple(past_state.index_select(0, beam_idx.to(past_state.device)) for past_state in layer_past)
+                     for layer_past in past_key_values)
+
+    legacy_cache = ()
+    new_cache_ = new_cache(design, 10)
+    for layer_idx in range(10):
+        new_key, new_value = torch.rand((4, 4, 8, 16)), torch.rand((4, 4, 8, 16))
+        new_cache_.update(new_key, new_value, layer_idx)
+        legacy_cache += ((new_key, new_value),)
+    beam_idx = torch.randint(low=0, high=4, size=(4,))  # num_beams=4 and batch_size=1
+    legacy_cache_reordered = legacy_reorder_fn(legacy_cache, beam_idx)
+    new_cache_.reorder_cache(beam_idx)
+    for layer_idx in range(10):
+        assert torch.allclose(new_cache_.layers[layer_idx].keys, legacy_cache_reordered[layer_idx][0])
+        assert torch.allclose(new_cache_.layers[layer_idx].values, legacy_cache_reordered[layer_idx][1])
+
+
+# -- SyntheticCacheTest -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_dynamic_cache(design):
+    """Scenario 1: prefill [1, 2] and updates of one layer; scenario 2: two layers updated independently."""
+    prefill = torch.tensor([1.0, 2.0])[None, None, :, None]
+    update3 = torch.tensor(3.0)[None, None, None, None]
+    update4 = torch.tensor(4.0)[None, None, None, None]
+
+    cache = new_cache(design, 1)
+    cache.update(prefill, prefill, 0)
+    cache.update(update3, update3, 0)
+    assert cache.layers[0].keys[0, 0, :, 0].tolist() == [1.0, 2.0, 3.0], "Scenario 1 failed"
+    cache.update(update4, update4, 0)
+    assert cache.layers[0].keys[0, 0, :, 0].tolist() == [1.0, 2.0, 3.0, 4.0], "Scenario 1 (to 4) failed"
+
+    prefill1 = torch.tensor([10.0, 20.0])[None, None, :, None]
+    update3_1 = torch.tensor(30.0)[None, None, None, None]
+    update4_1 = torch.tensor(40.0)[None, None, None, None]
+    cache = new_cache(design, 2)
+    cache.update(prefill, prefill, 0)
+    cache.update(prefill1, prefill1, 1)
+    cache.update(update3, update3, 0)
+    cache.update(update3_1, update3_1, 1)
+    cache.update(update4, update4, 0)
+    cache.update(update4_1, update4_1, 1)
+    assert cache.layers[0].keys[0, 0, :, 0].tolist() == [1.0, 2.0, 3.0, 4.0], "Scenario 2 layer 0 failed"
+    assert cache.layers[1].keys[0, 0, :, 0].tolist() == [10.0, 20.0, 30.0, 40.0], "Scenario 2 layer 1 failed"
+
+
+# -- the rest of the layer contract, against transformers' DynamicCache ---------------------------------------
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_keys_and_values_are_filled_whenever_the_layer_holds_tokens(design):
+    ours, theirs = filled(design, num_layers=3, steps=5)  # list: 5 chunks past a limit of 3, one consolidation
+    assert ours.get_seq_length() == 12
+    assert_same(ours, theirs)
+    # transformers' own reader of a DynamicCache, run on ours
+    for mine, reference in zip(DynamicCache.__iter__(ours), theirs, strict=True):
+        assert torch.equal(mine[0], reference[0]) and torch.equal(mine[1], reference[1]) and mine[2] is None
+    assert [layer.get_mask_sizes(1) for layer in ours.layers] == [layer.get_mask_sizes(1) for layer in theirs.layers]
+    assert [layer.get_max_length() for layer in ours.layers] == [-1] * 3 and ours.is_croppable
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+@pytest.mark.parametrize("tokens_to_remove", [0, -1, -5, -12, -100])
+def test_crop_removes_tokens_as_dynamic_layer_crop(design, tokens_to_remove):
+    ours, theirs = filled(design, num_layers=2, steps=5)
+    ours.crop(tokens_to_remove)
+    theirs.crop(tokens_to_remove)
+    assert_same(ours, theirs)
+    key = torch.rand(4, 4, 1, 16)
+    for cache in (ours, theirs):  # and decoding goes on from there
+        cache.update(key, key, 0)
+    assert torch.equal(ours.layers[0].keys, theirs.layers[0].keys)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_crop_refuses_a_positive_count_as_dynamic_layer_crop(design):
+    ours, theirs = filled(design, num_layers=2, steps=3)
+    for cache in (theirs, ours):
+        with pytest.raises(ValueError, match="crop"):
+            cache.crop(3)
+    assert_same(ours, theirs)  # nothing removed
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_batch_methods_offload_and_reset_act_as_dynamic_cache(design):
+    ours, theirs = filled(design, num_layers=2, steps=4)
+    for cache in (ours, theirs):
+        cache.batch_repeat_interleave(2)
+    assert_same(ours, theirs)
+    for cache in (ours, theirs):
+        cache.batch_select_indices(torch.tensor([7, 0, 3]))
+    assert_same(ours, theirs)
+    for mine, reference in zip(ours.layers, theirs.layers):
+        for layer in (mine, reference):
+            layer.offload()
+            layer.prefetch()
+    assert_same(ours, theirs)
+    assert all(layer.keys.device == layer.device for layer in ours.layers)
+    ours.reset()
+    assert ours.get_seq_length() == 0
+
+
+# -- CacheIntegrationTest / CacheHardIntegrationTest, on the toy model -------------------------------------
+
+@pytest.fixture(scope="module")
+def model():
+    return build_model("toy")
+
+
+def hf_generate(model, design, input_ids, attention_mask=None, **kwargs):
+    """transformers' own generate(); `design` None: its default DynamicCache."""
+    cache = {} if design is None else {cache_argument(model): new_cache(design, model.config.num_hidden_layers)}
+    mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+    options = dict(do_sample=False, max_new_tokens=10, min_new_tokens=10, return_dict_in_generate=True)
+    return model.generate(input_ids, attention_mask=mask, **{**options, **cache, **kwargs})
+
+
+def left_padded(rows):
+    """Prompts of different lengths, left-padded with 0 as a tokenizer with padding_side="left" does."""
+    width = max(len(row) for row in rows)
+    ids = torch.tensor([[0] * (width - len(row)) + row for row in rows])
+    mask = torch.tensor([[0] * (width - len(row)) + [1] * len(row) for row in rows])
+    return ids, mask
+
+
+PROMPTS = [[5, 17, 3, 99, 41, 8, 250], [11, 2, 600]]
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_cache_batched(model, design):
+    """Sanity check: caches' `.update` function expects batched inputs."""
+    ids, mask = left_padded(PROMPTS)
+    gen_out = hf_generate(model, design, ids, mask)
+    assert isinstance(cache_from_outputs(gen_out), Cache)  # a cache was used
+    assert torch.equal(gen_out.sequences, hf_generate(model, None, ids, mask).sequences)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_cache_beam_search(model, design):
+    """Sanity check: caches' `reorder_cache` is operational (an output sequence holds several beam indices)."""
+    ids = torch.tensor([PROMPTS[0]])
+    gen_out = hf_generate(model, design, ids, num_beams=2, num_return_sequences=2)
+    assert isinstance(cache_from_outputs(gen_out), Cache)
+    assert any(len(set(beams_in_sequence.tolist())) > 1 for beams_in_sequence in gen_out.beam_indices)
+    assert torch.equal(gen_out.sequences, hf_generate(model, None, ids, num_beams=2, num_return_sequences=2).sequences)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_cache_extra_left_padding(model, design):
+    """Tests that adding extra left-padding does not affect the generation with the cache."""
+    ids = torch.tensor([PROMPTS[1]])
+    expected = hf_generate(model, design, ids).sequences[:, ids.shape[1]:]
+    padded, mask = left_padded([PROMPTS[1], [1] * 32])  # pad_to_multiple_of=32
+    gen_out = hf_generate(model, design, padded[:1], mask[:1]).sequences[:, padded.shape[1]:]
+    assert torch.equal(gen_out, expected)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_cache_copy(model, design):
+    """Tests that we can manually set a cache, copy, and reuse it for generation."""
+    initial_prompt = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():  # the common prompt, cached by a forward without grad to be able to copy it
+        prompt_cache = cache_from_outputs(model(initial_prompt, use_cache=True, **{
+            cache_argument(model): new_cache(design, model.config.num_hidden_layers)}))
+    for prompt in ([4, 44, 444], [9]):
+        new_inputs = torch.tensor([PROMPTS[0] + prompt])
+        cache = copy.deepcopy(prompt_cache)
+        outputs = model.generate(new_inputs, attention_mask=torch.ones_like(new_inputs), max_new_tokens=10,
+                                 min_new_tokens=10, do_sample=False, **{cache_argument(model): cache})
+        assert torch.equal(outputs, hf_generate(model, None, new_inputs).sequences)
+    assert prompt_cache.get_seq_length() == len(PROMPTS[0])  # the copies grew, not the original
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_dynamic_cache_hard(model, design):
+    """Sampling with a seed: the same tokens and scores as transformers' DynamicCache."""
+    ids = torch.tensor([PROMPTS[0]])
+    runs = []
+    for cache in (design, None):
+        set_seed(0)
+        runs.append(hf_generate(model, cache, ids, do_sample=True, top_k=5, output_scores=True))
+    assert torch.equal(runs[0].sequences, runs[1].sequences)
+    assert all(torch.equal(a, b) for a, b in zip(runs[0].scores, runs[1].scores, strict=True))
+
+
+# -- GenerationTesterMixin: decoding that crops the cache --------------------------------------------------
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_assisted_decoding_matches_greedy_search(model, design):
+    """Assisted decoding (the assistant's rejected tokens are cropped from the cache) gives greedy's tokens."""
+    assistant = build_model("toy", ["num_hidden_layers=1"], seed=3)  # a different model: some tokens rejected
+    ids, mask = left_padded(PROMPTS[:1])
+    greedy = hf_generate(model, None, ids, mask)
+    assisted = hf_generate(model, design, ids, mask, assistant_model=assistant, output_scores=True)
+    assert torch.equal(assisted.sequences, greedy.sequences)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_prompt_lookup_decoding_matches_greedy_search(model, design):
+    ids = torch.tensor([[5, 17, 3, 5, 17, 3, 5, 17, 3, 5]])  # repeated n-grams: candidates to look up
+    greedy = hf_generate(model, None, ids)
+    assert torch.equal(hf_generate(model, design, ids, prompt_lookup_num_tokens=2).sequences, greedy.sequences)
