@@ -7,6 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
+from .cli import Parser
 from .point import DEFAULTS
 from .engines import ENGINES, run_sweep
 from .grid import SWEEPS_DIR, expand, load_sweep, merge_grid_items, point_id, point_label, validate
@@ -17,7 +18,7 @@ DESCRIPTION = "Run a grid of experiment points with papermill: one fresh kernel 
 
 def build_parser() -> argparse.ArgumentParser:
     shipped = ", ".join(sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml")))
-    parser = argparse.ArgumentParser(prog="python -m kvlab sweep", description=DESCRIPTION)
+    parser = Parser(prog="python -m kvlab sweep", description=DESCRIPTION)  # one-line errors, as every verb
     parser.add_argument("sweep", nargs="?", help=f"sweep YAML (fixed: + grid:), a path or one of: {shipped}")
     parser.add_argument("--file", help="the same, as an option")
     parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
