@@ -143,9 +143,13 @@ def parse_overrides(items) -> dict:
     return overrides
 
 
-# Sizes that must be positive integers; head_dim and num_key_value_heads may be None (derived from the others).
+# Sizes that must be positive integers (decoders, then T5, BART and Whisper); those in OPTIONAL_SIZES may be None
+# (derived from the others).
 SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-             "vocab_size", "head_dim", "max_position_embeddings")
+             "vocab_size", "head_dim", "max_position_embeddings", "d_model", "d_kv", "d_ff", "num_layers",
+             "num_decoder_layers", "num_heads", "encoder_layers", "decoder_layers", "encoder_attention_heads",
+             "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim")
+OPTIONAL_SIZES = ("head_dim", "num_key_value_heads", "num_decoder_layers")
 
 
 # Config values derived from others at construction (a loaded config.json spells them out).
@@ -156,7 +160,7 @@ def check_sizes(values: dict) -> None:
     """Refuse sizes no model can have, before the config (let alone the model) is built."""
     for key in SIZE_KEYS:
         value = values.get(key)
-        if key not in values or (value is None and key in ("head_dim", "num_key_value_heads")):
+        if key not in values or (value is None and key in OPTIONAL_SIZES):
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key} must be a positive integer, got {value!r}")

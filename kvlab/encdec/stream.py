@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from .. import encdec
+from .. import encdec, models
 from ..compat import cache_from_outputs
 from ..models import ENCODER_DECODERS, check_device, element_size, load_config, parse_dtype, resolve_device
 from ..meter import LiveStorageCounter
@@ -349,7 +349,7 @@ def load_records(path):
 def run(settings: dict, out: Path | None = None, progress: bool = True) -> list[dict]:
     """Every mode of the stream, one after the other on one model; rows written to OUT/results.csv."""
     from tqdm.auto import tqdm
-    model = encdec.build_model(settings["preset"], settings["overrides"], settings["device"], settings["dtype"],
+    model = models.build_model(settings["preset"], settings["overrides"], settings["device"], settings["dtype"],
                                settings["seed"])
     records = []
     with tqdm(total=settings["count"] * len(settings["modes"]), desc=f"stream {settings['name']}",

@@ -43,7 +43,7 @@ def _point_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--strategy", default=None, help=f"one of {', '.join(STRATEGIES)} {_default('strategy')}")
     sizes = {"batch": "sequences decoded together", "prompt": "prompt length, tokens",
              "new": "tokens generated per sequence",
-             "restart-new": "tokens a second generate() call adds, continuing from the first's cache (0: none)",
+             "restart-new": "tokens a second generate() call adds, continuing from the first's cache; 0: no such call",
              "num-beams": "beams per sequence (strategy beam)",
              "chunk-limit": "cache list: chunks kept before they are joined into one",
              "block-tokens": "cache prealloc: tokens its buffers grow by", "seed": "weights, prompt and sampling"}
@@ -137,17 +137,18 @@ def cmd_stream(args) -> None:
 
 
 def _stream_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..encdec.stream import MODES, STREAMS_DIR
+    from ..encdec import stream
     from ..models import ENCODER_DECODERS
+    parser.description = stream.__doc__.split("\n\n")[0]
     file = "(default: the stream file's)"
     parser.add_argument("stream", help="stream YAML: a path or one of: "
-                        f"{', '.join(sorted(p.stem for p in STREAMS_DIR.glob('*.yaml')))}")
+                        f"{', '.join(sorted(p.stem for p in stream.STREAMS_DIR.glob('*.yaml')))}")
     parser.add_argument("--preset", default=None, help=f"an encoder-decoder preset ({', '.join(ENCODER_DECODERS)}), "
                         f"a config.json path or a hub id {file}")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="config override, "
                         "repeatable, e.g. num_layers=2 (default: the stream file's, unless --preset is given)")
     parser.add_argument("--out", default=None, help="results folder (default: results/<stream name>)")
-    parser.add_argument("--modes", default=None, help=f"comma-separated, from: {', '.join(MODES)} {file}")
+    parser.add_argument("--modes", default=None, help=f"comma-separated, from: {', '.join(stream.MODES)} {file}")
     parser.add_argument("--count", type=int, default=None, metavar="N", help=f"number of requests {file}")
     parser.add_argument("--device", default=None, help=f"cpu, cuda or auto {file}")
     parser.add_argument("--compile-backend", default=None, help=f"none, eager, inductor, ... {file}")
@@ -157,19 +158,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m kvlab", description="Where the memory of generate() goes.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    measure = sub.add_parser("measure", help="measure one point and print its record")
+    measure = sub.add_parser("measure", help="measure one point and print its record",
+                             description="Measure one point: the peak of generate()'s memory above the weights, and "
+                             "what is live at the peak. Prints a table in MiB or GiB; --json prints the record (bytes).")
     _point_arguments(measure)
     measure.add_argument("--json", action="store_true", help="print the whole record (bytes) as one JSON line")
-    measure.add_argument("--runtime", default=None, help="eager (kvlab's loop, default), jit-trace (a torch.jit.trace "
-                         "graph passing tuples: cache tuple), convert (tuples <-> DynamicCache every step: cache "
-                         "dynamic) or export (torch.export with a static cache: cache static); see kvlab.graphs")
+    measure.add_argument("--runtime", default=None, help="eager (kvlab's loop), jit-trace (a torch.jit.trace graph "
+                         "passing tuples: cache tuple), convert (tuples <-> DynamicCache every step: cache dynamic) or "
+                         f"export (torch.export with a static cache: cache static); see kvlab.graphs {_default('runtime')}")
     measure.add_argument("--no-timing", dest="timing", action="store_false", default=None,
                          help="skip the second, unmetered run that measures tokens/s")
     measure.add_argument("--force", action="store_true", default=None,
                          help="run even if the predicted peak exceeds the free memory of the device")
     measure.set_defaults(func=cmd_measure)
 
-    predict = sub.add_parser("predict", help="the predicted peak (weights + overhead) of every design, before running")
+    predict = sub.add_parser("predict", help="the predicted peak (weights + overhead) of every design, before running",
+                             description="The predicted peak of every design (or the one asked for) from the config "
+                             "alone, in GiB; nothing is allocated.")
     _point_arguments(predict)
     predict.add_argument("--memory", default=None, metavar="SIZE",
                          help="say whether each design fits in this much memory (e.g. 24GiB, 80GB, 512MiB, bytes)")
