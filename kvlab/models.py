@@ -281,7 +281,7 @@ def _local_config(source: str):
     file = path / "config.json" if path.is_dir() else path
     if not file.is_file():
         raise ValueError(f"{path}: a folder without a config.json")
-    try:
+    try:  # JSON first: its error says where the file breaks, transformers' does not
         json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{file}: not a JSON file ({_one_line(error)})") from None

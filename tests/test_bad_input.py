@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 import torch
 
-PRESETS = "toy, tinyllama-1.1b"
 LOCAL = "no such file or folder"
 
 

@@ -61,7 +61,7 @@ def main(argv=None) -> None:
         if args.dry_run:
             for params in points:
                 print(point_id(params), point_label(params))
-            print(f"{len(points)} points; results would go to {out / 'results.csv'}")
+            print(f"{len(points)} point{'s' * (len(points) != 1)}; results would go to {out / 'results.csv'}")
             return
         command = " ".join(["python -m kvlab sweep", *(argv if argv is not None else sys.argv[1:])])
         engine_options = dict(address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
