@@ -31,6 +31,7 @@ def cases(tmp: Path) -> list[tuple[list[str], str]]:
         # values
         (["measure", "--cache", "paged"], "tuple, dynamic, list, static, prealloc"),
         (["measure", "--device", "tpu"], "cpu, cuda, meta"),
+        (["measure", "--kind", "reference", "--device", "meta"], "the meta device cannot; choose one of: cpu, cuda"),
         (["compare", "--preset", "nope", "--out", str(tmp / "never")], "unknown preset 'nope'; choose one of: toy"),
         (["predict", "--memory", "0"], "memory size '0' is not positive"),
         (["predict", "--memory", "0GiB"], "is not positive"),

@@ -139,6 +139,9 @@ def _check_reference(p: dict) -> None:
                          f"point is one of: {pairs}")
     if p["strategy"] not in ("greedy", "beam") or int(p["restart_new"]):
         raise ValueError("a reference point decodes greedy or beam, without a restart")
+    if str(p["device"]).startswith("meta"):
+        raise ValueError("a reference point runs a release's own generate(), which the meta device cannot; choose one "
+                         "of: cpu, cuda, auto")
 
 
 def make_prompt(vocab_size: int, p: dict) -> torch.Tensor:
