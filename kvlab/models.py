@@ -1,21 +1,28 @@
 """Model presets: public config values, seeded random weights, no network.
 
 Memory does not depend on weight values, so a model built from its public config with random
-weights allocates exactly what the real checkpoint would. A hub id (anything with a "/") loads the
-real weights instead, for Colab users with network access.
+weights allocates exactly what the real checkpoint would. One registry holds the decoders (what a
+point measures) and the encoder–decoders (what kvlab.encdec's request streams serve); a model is named
+by a preset, a local config.json (or its folder), or a hub id (`owner/name`, real weights, for Colab
+users with network access) when no such local path exists.
 """
 
 from __future__ import annotations
 
+import json
 import socket
 from pathlib import Path
 from urllib.parse import urlparse
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+from huggingface_hub.errors import StrictDataclassError
+from huggingface_hub.utils import HFValidationError, validate_repo_id
+from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq,
+                          BartConfig, LlamaConfig, MistralConfig, Qwen2Config, T5Config, WhisperConfig)
+from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
 
 # Values copied from each model's public config.json on the Hugging Face hub.
-PRESETS: dict[str, tuple[type, dict]] = {
+DECODERS: dict[str, tuple[type, dict]] = {
     # Small enough that CPU decoding of hundreds of tokens takes seconds.
     "toy": (LlamaConfig, dict(
         hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
@@ -48,21 +55,35 @@ TWIN_WIDTHS = ("hidden_size", "intermediate_size", "vocab_size")
 
 
 def _twin(name: str) -> tuple[type, dict]:
-    config_class, values = PRESETS[name]
+    config_class, values = DECODERS[name]
     for key in TWIN_WIDTHS:
         assert values[key] % TWIN_SCALE == 0, f"{name}: {key} is not a multiple of {TWIN_SCALE}"
     return config_class, {**values, **{key: values[key] // TWIN_SCALE for key in TWIN_WIDTHS}}
 
 
 TWINS = {f"{name}-twin": name for name in ("llama2-7b", "mistral-7b", "llama3-8b")}
-PRESETS.update({twin: _twin(name) for twin, name in TWINS.items()})
+DECODERS.update({twin: _twin(name) for twin, name in TWINS.items()})
+
+# T5Config() and WhisperConfig() default to google-t5/t5-small and openai/whisper-tiny; BartConfig() to
+# bart-large's widths. Their start and pad tokens are the checkpoints' own.
+ENCODER_DECODERS: dict[str, tuple[type, dict]] = {
+    "t5-small": (T5Config, dict(  # google-t5/t5-small
+        d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=6, num_heads=8, vocab_size=32128,
+        relative_attention_num_buckets=32, feed_forward_proj="relu", decoder_start_token_id=0, pad_token_id=0)),
+    "whisper-tiny": (WhisperConfig, dict(  # openai/whisper-tiny
+        d_model=384, encoder_layers=4, decoder_layers=4, encoder_attention_heads=6, decoder_attention_heads=6,
+        encoder_ffn_dim=1536, decoder_ffn_dim=1536, vocab_size=51865, num_mel_bins=80, max_source_positions=1500,
+        max_target_positions=448, decoder_start_token_id=50258, pad_token_id=50257)),
+    "bart-base": (BartConfig, dict(  # facebook/bart-base
+        d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12, decoder_attention_heads=12,
+        encoder_ffn_dim=3072, decoder_ffn_dim=3072, vocab_size=50265, max_position_embeddings=1024,
+        decoder_start_token_id=2, pad_token_id=1)),
+}
+PRESETS = {**DECODERS, **ENCODER_DECODERS}
+
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-
-
-def is_hub_id(preset: str) -> bool:
-    return "/" in preset
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -122,9 +143,13 @@ def parse_overrides(items) -> dict:
     return overrides
 
 
-# Sizes that must be positive integers; head_dim and num_key_value_heads may be None (derived from the others).
+# Sizes that must be positive integers (decoders, then T5, BART and Whisper); those in OPTIONAL_SIZES may be None
+# (derived from the others).
 SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-             "vocab_size", "head_dim", "max_position_embeddings")
+             "vocab_size", "head_dim", "max_position_embeddings", "d_model", "d_kv", "d_ff", "num_layers",
+             "num_decoder_layers", "num_heads", "encoder_layers", "decoder_layers", "encoder_attention_heads",
+             "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim")
+OPTIONAL_SIZES = ("head_dim", "num_key_value_heads", "num_decoder_layers")
 
 
 # Config values derived from others at construction (a loaded config.json spells them out).
@@ -135,7 +160,7 @@ def check_sizes(values: dict) -> None:
     """Refuse sizes no model can have, before the config (let alone the model) is built."""
     for key in SIZE_KEYS:
         value = values.get(key)
-        if key not in values or (value is None and key in ("head_dim", "num_key_value_heads")):
+        if key not in values or (value is None and key in OPTIONAL_SIZES):
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{key} must be a positive integer, got {value!r}")
@@ -151,11 +176,24 @@ def check_sizes(values: dict) -> None:
                          f"set; choose a multiple of {heads} or set head_dim")
 
 
+def _one_line(error: Exception) -> str:
+    return " ".join(str(error).split())
+
+
+def _construct(config_class: type, values: dict, name: str, overrides: dict | None = None):
+    try:
+        return config_class(**values)
+    except (ValueError, TypeError, StrictDataclassError) as error:  # transformers' own validators: one line
+        what = f"the overrides {overrides}" if overrides else "its values"
+        raise ValueError(f"the {name} config refuses {what}: {_one_line(error)}") from None
+
+
 def _finish_config(config_class: type, values: dict, overrides, name: str):
     """`config_class(**values)` with overrides checked and applied. Built from the merged values, so that
     derived sizes (head_dim = hidden_size / heads) follow an overridden hidden_size or head count."""
     overrides = parse_overrides(overrides)
-    known = set(config_class(**values).to_dict())
+    base = _construct(config_class, values, name)
+    known = set(base.to_dict())
     for key in overrides:
         if key not in known:
             raise ValueError(f"override key {key!r} is not in the {name} config; valid keys: {', '.join(sorted(known))}")
@@ -163,22 +201,32 @@ def _finish_config(config_class: type, values: dict, overrides, name: str):
     for derived, sources in DERIVED.items():  # re-derived from the new sizes unless overridden too
         if derived not in overrides and any(key in overrides for key in sources):
             merged.pop(derived, None)
+    if base.is_encoder_decoder:
+        for key in ("decoder_start_token_id", "pad_token_id", "bos_token_id", "eos_token_id"):
+            # A shrunk vocabulary (a small twin for tests) keeps its special tokens inside it.
+            if merged.get(key) is not None and merged[key] >= merged["vocab_size"]:
+                merged[key] = merged["vocab_size"] - 1 - (key == "decoder_start_token_id")
+        for key in ("bos_token_id", "eos_token_id"):
+            merged.setdefault(key, None)  # Whisper's config class defaults them to GPT-2's ids
     check_sizes(merged)
-    try:
-        config = config_class(**merged)
-    except Exception as error:  # transformers' own validators (strict dataclasses): one line, not a traceback
-        reason = " ".join(line.strip() for line in str(error).splitlines())
-        raise ValueError(f"the {name} config refuses the overrides {overrides}: {reason}") from None
+    config = _construct(config_class, merged, name, overrides)
     # The KV cache only exists if the model uses it; decoding must never stop early, so no EOS.
     config.use_cache = True
     config.eos_token_id = None
+    if config.is_encoder_decoder:
+        config.forced_eos_token_id = None
     return config
+
+
+def choices() -> str:
+    return (f"{', '.join(DECODERS)} (decoders), {', '.join(ENCODER_DECODERS)} (encoder-decoders), a config.json "
+            "path or a hub id like Qwen/Qwen2.5-0.5B")
 
 
 def build_config(preset: str, overrides=None):
     """The preset's config with overrides applied; raises before anything is allocated."""
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of: {', '.join(PRESETS)} (or a hub id like Qwen/Qwen2.5-0.5B)")
+        raise ValueError(f"unknown preset {preset!r}; choose one of: {choices()}")
     config_class, values = PRESETS[preset]
     return _finish_config(config_class, values, overrides, preset)
 
@@ -198,8 +246,49 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 def hub_error(name: str, online: bool) -> ValueError:
     where = ("the hub has no such model either" if online else
              "configs and weights cannot be downloaded here (no network to the Hugging Face hub)")
-    return ValueError(f"{name!r} is not in the local Hugging Face cache and {where}; choose a preset, one of: "
-                      f"{', '.join(PRESETS)}, or a local config.json path")
+    return ValueError(f"{name!r} is not in the local Hugging Face cache and {where}; choose one of: {choices()}")
+
+
+def is_hub_id(source: str) -> bool:
+    """`owner/name` with no such local path (nor a .json name): a model on the Hugging Face hub."""
+    if "/" not in source or source.endswith(".json") or Path(source).expanduser().exists():
+        return False
+    try:
+        validate_repo_id(source)
+    except HFValidationError:  # ./x/config.json, /abs/path, a/b/c: local paths
+        return False
+    return True
+
+
+def _hub_config(source: str):
+    try:
+        return AutoConfig.from_pretrained(source, local_files_only=True)
+    except OSError:
+        online = hub_reachable()
+        if online:
+            try:
+                return AutoConfig.from_pretrained(source)
+            except OSError:
+                pass
+        raise hub_error(source, online) from None
+
+
+def _local_config(source: str):
+    """A config.json, or the folder holding one; what is wrong with it, named, in one line."""
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ValueError(f"{source}: no such file or folder; choose one of: {choices()}")
+    file = path / "config.json" if path.is_dir() else path
+    if not file.is_file():
+        raise ValueError(f"{path}: a folder without a config.json")
+    try:  # JSON first: its error says where the file breaks, transformers' does not
+        json.loads(file.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{file}: not a JSON file ({_one_line(error)})") from None
+    try:
+        return AutoConfig.from_pretrained(file)
+    except Exception as error:  # any reason transformers gives (no model_type, a validator, a bad value): one line
+        raise ValueError(f"{file}: transformers refuses this config ({_one_line(error)})") from None
 
 
 def load_config(source: str, overrides=None):
@@ -207,47 +296,56 @@ def load_config(source: str, overrides=None):
     cache first, the hub if it can be reached); overrides checked and applied."""
     if source in PRESETS:
         return build_config(source, overrides)
-    if Path(source).exists():
-        try:
-            config = AutoConfig.from_pretrained(source)
-        except (OSError, ValueError) as error:
-            raise ValueError(f"{source}: no transformers config.json there ({str(error).splitlines()[0]})") from None
-    elif is_hub_id(source):
-        try:
-            config = AutoConfig.from_pretrained(source, local_files_only=True)
-        except OSError:
-            online = hub_reachable()
-            if not online:
-                raise hub_error(source, online) from None
-            try:
-                config = AutoConfig.from_pretrained(source)
-            except OSError:
-                raise hub_error(source, online) from None
+    if is_hub_id(source):
+        config = _hub_config(source)
+    elif "/" in source or source.endswith(".json") or Path(source).exists():
+        config = _local_config(source)
     else:
         return build_config(source, overrides)  # names the presets
     return _finish_config(type(config), config.to_dict(), overrides, source)
 
 
+def model_class(config) -> type:
+    """The Auto class of a config's generating model: decoders, text and speech encoder–decoders."""
+    if not config.is_encoder_decoder:
+        return AutoModelForCausalLM
+    speech = config.model_type in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES  # Whisper
+    return AutoModelForSpeechSeq2Seq if speech else AutoModelForSeq2SeqLM
+
+
+def instantiate(config, dtype: torch.dtype):
+    """The model of a config, on the default device; one that transformers cannot build is one line."""
+    try:
+        return model_class(config).from_config(config, dtype=dtype)
+    except (KeyError, ValueError, TypeError) as error:  # e.g. hidden_act=nope: KeyError 'nope' from the layers
+        raise ValueError(f"transformers cannot build a {config.model_type} model from this config "
+                         f"({type(error).__name__}: {_one_line(error)})") from None
+
+
 def build_model(preset: str = "toy", overrides=None, device: str = "cpu", dtype: str = "float32", seed: int = 0):
-    """A causal LM in eval mode: random weights (seeded) from a preset or a local config.json, or real
-    weights from a hub id."""
+    """A model in eval mode (a decoder or an encoder–decoder): random weights (seeded) from a preset or a
+    local config.json, or real weights from a hub id."""
     check_device(device)
     torch_dtype = parse_dtype(dtype)
-    if is_hub_id(preset) and not Path(preset).exists():
+    config = load_config(preset, overrides)
+    if is_hub_id(preset):
         online = hub_reachable()
         try:
-            model = AutoModelForCausalLM.from_pretrained(preset, dtype=torch_dtype, local_files_only=not online)
+            model = model_class(config).from_pretrained(preset, config=config, dtype=torch_dtype,
+                                                        local_files_only=not online).to(device)
         except OSError:
             raise hub_error(preset, online) from None
-        model.generation_config.eos_token_id = None
-        return model.to(device).eval()
-    config = load_config(preset, overrides)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch_dtype)
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
+    else:
+        config._attn_implementation = "sdpa"
+        torch.manual_seed(seed)
+        with torch.device(device):
+            model = instantiate(config, torch_dtype)
+    g = model.generation_config
+    g.eos_token_id = None
+    if config.is_encoder_decoder:  # greedy argmax and nothing else: Whisper's suppresses tokens at the first step
+        g.forced_eos_token_id = g.begin_suppress_tokens = g.suppress_tokens = g.forced_decoder_ids = None
+    else:
+        g.pad_token_id = 0
     return model.eval()
 
 

@@ -5,7 +5,7 @@ import collections
 import pytest
 import torch
 
-from kvlab import encdec
+from kvlab import encdec, models
 from kvlab.encdec import stream as request_stream
 from kvlab.profiler import ProfiledAllocations
 from kvlab.encdec.stream import AllocationCounter
@@ -15,7 +15,7 @@ T5 = "num_layers=2,num_decoder_layers=2,d_model=64,d_ff=128,num_heads=4,d_kv=16,
 
 @pytest.fixture(scope="module")
 def t5():
-    return encdec.build_model("t5-small", T5)
+    return models.build_model("t5-small", T5)
 
 
 def test_allocation_counter_matches_the_profiler(t5):

@@ -134,3 +134,13 @@ def test_with_a_model_given_only_the_overhead_has_to_fit(toy, monkeypatch):
 def test_meta_is_never_refused(no_model):
     point = normalize(**dict(TINY, device="meta", overrides="vocab_size=1000000000000"))  # 4 TB of weights
     kvlab.lab.predict.check_fits(point)
+
+
+def test_predict_json_reports_the_points_own_values(capsys):
+    """A greedy point decodes one sequence per prompt: num_beams 1, as its measured record says (not the default 4)."""
+    greedy = json.loads(predict_output(capsys, *LLAMA_PR_POINT, "--json", "--device", "meta"))
+    assert (greedy["strategy"], greedy["num_beams"]) == ("greedy", 1)
+    assert measure(**dict(TINY, device="meta"))[0]["num_beams"] == 1
+    beam = json.loads(predict_output(capsys, *LLAMA_PR_POINT, "--json", "--device", "meta", "--strategy", "beam",
+                                     "--num-beams", "3"))
+    assert (beam["strategy"], beam["num_beams"]) == ("beam", 3)

@@ -1,4 +1,4 @@
-"""Encoder–decoder models: presets, requests, and one greedy decoding loop.
+"""Encoder–decoder models: requests, and one greedy decoding loop (the presets are in kvlab.models).
 
 An encoder–decoder model runs its encoder once per request; every decoder step then attends to its
 own past tokens (the self-attention cache, growing by one token a step) and to the encoder output
@@ -15,69 +15,10 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import (BartConfig, BartForConditionalGeneration, DynamicCache, EncoderDecoderCache, T5Config,
-                          T5ForConditionalGeneration, WhisperConfig, WhisperForConditionalGeneration)
+from transformers import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
 from ..compat import cache_argument
-from ..models import check_device, parse_dtype, parse_overrides
-
-# Public config values (each model's config.json on the Hugging Face hub). T5Config() and WhisperConfig()
-# default to google-t5/t5-small and openai/whisper-tiny; BartConfig() defaults to bart-large's widths.
-PRESETS: dict[str, tuple[type, type, dict]] = {
-    "t5-small": (T5Config, T5ForConditionalGeneration, dict(  # google-t5/t5-small
-        d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=6, num_heads=8, vocab_size=32128,
-        relative_attention_num_buckets=32, feed_forward_proj="relu", decoder_start_token_id=0, pad_token_id=0)),
-    "whisper-tiny": (WhisperConfig, WhisperForConditionalGeneration, dict(  # openai/whisper-tiny
-        d_model=384, encoder_layers=4, decoder_layers=4, encoder_attention_heads=6, decoder_attention_heads=6,
-        encoder_ffn_dim=1536, decoder_ffn_dim=1536, vocab_size=51865, num_mel_bins=80, max_source_positions=1500,
-        max_target_positions=448, decoder_start_token_id=50258, pad_token_id=50257)),
-    "bart-base": (BartConfig, BartForConditionalGeneration, dict(  # facebook/bart-base
-        d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12, decoder_attention_heads=12,
-        encoder_ffn_dim=3072, decoder_ffn_dim=3072, vocab_size=50265, max_position_embeddings=1024,
-        decoder_start_token_id=2, pad_token_id=1)),
-}
-
-
-def build_config(preset: str, overrides=None):
-    """The preset's config with overrides (`"num_layers=2,d_model=64"` or a dict); raises before allocating."""
-    if preset not in PRESETS:
-        raise ValueError(f"unknown encoder-decoder preset {preset!r}; choose one of: {', '.join(PRESETS)}")
-    config_class, _, values = PRESETS[preset]
-    overrides = parse_overrides(overrides)
-    known = set(config_class(**values).to_dict())
-    for key, value in overrides.items():
-        if key not in known:
-            raise ValueError(f"override key {key!r} is not in the {preset} config; valid keys: {', '.join(sorted(known))}")
-    merged = {**values, **overrides}
-    for key in ("decoder_start_token_id", "pad_token_id", "bos_token_id", "eos_token_id"):
-        # A shrunk vocabulary (a small twin for tests) keeps its special tokens inside it.
-        if merged.get(key) is not None and merged[key] >= merged["vocab_size"]:
-            merged[key] = merged["vocab_size"] - 1 - (key == "decoder_start_token_id")
-    for key in ("bos_token_id", "eos_token_id"):
-        merged.setdefault(key, None)  # Whisper's config class defaults them to GPT-2's ids
-    config = config_class(**merged)
-    # Decoding must never stop early: no end-of-sequence token, no forced or suppressed tokens.
-    config.eos_token_id = None
-    config.forced_eos_token_id = None
-    config.use_cache = True
-    return config
-
-
-def build_model(preset: str = "t5-small", overrides=None, device: str = "cpu", dtype: str = "float32", seed: int = 0):
-    """An encoder–decoder model in eval mode with seeded random weights (memory does not depend on their values)."""
-    check_device(device)
-    torch_dtype = parse_dtype(dtype)
-    config = build_config(preset, overrides)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(seed)
-    with torch.device(device):
-        model = PRESETS[preset][1](config).to(torch_dtype)
-    # Greedy argmax and nothing else: Whisper's generation config suppresses tokens at the first step.
-    g = model.generation_config
-    g.eos_token_id = g.forced_eos_token_id = g.begin_suppress_tokens = g.suppress_tokens = None
-    g.forced_decoder_ids = None
-    return model.eval()
 
 
 def decoder_shape(config) -> tuple[int, int, int]:

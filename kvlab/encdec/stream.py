@@ -24,7 +24,6 @@ reserved).
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import gc
 import os
@@ -37,11 +36,12 @@ from pathlib import Path
 import torch
 import yaml
 
-from .. import encdec
+from .. import encdec, models
 from ..compat import cache_from_outputs
-from ..models import element_size, resolve_device
+from ..models import ENCODER_DECODERS, check_device, element_size, load_config, parse_dtype, resolve_device
 from ..meter import LiveStorageCounter
 from .reusable_cache import ReusableStaticCache
+from ..lab.point import DEFAULTS as POINT_DEFAULTS
 from ..lab.shipped import shipped_or_path
 
 MODES = ("hf-static", "reused", "reused-max", "dynamic")
@@ -61,14 +61,20 @@ def stream_file(name: str | os.PathLike) -> Path:
     return shipped_or_path(name, STREAMS_DIR, "stream")
 
 
-DEFAULTS = dict(preset="t5-small", overrides="", dtype="float32", device="auto", new_tokens=16, count=12,
-                batches=[1, 2, 4], encoder_lengths=[16, 32, 64], seed=0, ragged=True, modes=list(MODES),
-                compile_backend="none", check_tokens=True, description="")
+DEFAULTS = dict(preset="t5-small", overrides="", **{key: POINT_DEFAULTS[key] for key in ("dtype", "device", "seed")},
+                new_tokens=16, count=12, batches=[1, 2, 4], encoder_lengths=[16, 32, 64], ragged=True,
+                modes=list(MODES), compile_backend="none", check_tokens=True, description="")
 
 
 def load_stream(name, **overrides) -> dict:
     """A stream's settings: the file's values over DEFAULTS, then `overrides`; checked before anything runs."""
-    spec = yaml.safe_load(stream_file(name).read_text()) or {}
+    path = stream_file(name)
+    try:
+        spec = yaml.safe_load(path.read_text()) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        raise ValueError(f"{path}: not a readable YAML stream file ({' '.join(str(error).split())})") from None
+    if not isinstance(spec, dict):
+        raise ValueError(f"{path}: a stream file is a mapping of settings: {', '.join(DEFAULTS)}")
     unknown = set(spec) - set(DEFAULTS)
     if unknown:
         raise ValueError(f"{name}: unknown key(s) {', '.join(sorted(unknown))}; valid: {', '.join(DEFAULTS)}")
@@ -78,7 +84,10 @@ def load_stream(name, **overrides) -> dict:
 
 def check(settings: dict, name: str = "stream") -> dict:
     s = dict(settings, name=settings.get("name", name))
-    encdec.build_config(s["preset"], s["overrides"])  # a bad preset or override fails here
+    config = load_config(s["preset"], s["overrides"])  # a bad preset or override fails here
+    if not config.is_encoder_decoder:
+        raise ValueError(f"{s['preset']} is a decoder: stream serves encoder-decoder models (e.g. "
+                         f"{', '.join(ENCODER_DECODERS)}); use `python -m kvlab measure` (or predict, compare, sweep)")
     for key in ("new_tokens", "count", "seed"):  # an integer as written: 1.5 is refused, not cut to 1
         lowest = 0 if key == "seed" else 1
         if isinstance(s[key], bool) or not isinstance(s[key], int) or s[key] < lowest:
@@ -93,13 +102,15 @@ def check(settings: dict, name: str = "stream") -> dict:
     for mode in modes:
         if mode not in MODES:
             raise ValueError(f"unknown mode {mode!r}; choose from: {', '.join(MODES)}")
-    if "reused-max" in modes and s["preset"] == "whisper-tiny":
+    if "reused-max" in modes and encdec.is_whisper(config):
         raise ValueError("reused-max pads and masks the encoder output, but Whisper's decoder applies no encoder "
                          "mask; choose from: hf-static, reused, dynamic")
     s["modes"] = modes
-    s["device"] = resolve_device(s["device"])
-    if s["device"] == "cuda" and not torch.cuda.is_available():
-        raise ValueError("device cuda was asked for but CUDA is not available; choose cpu")
+    s["device"] = check_device(resolve_device(s["device"]))
+    if torch.device(s["device"]).type == "meta":
+        raise ValueError("a stream runs its requests (timed, tokens checked against generate()), which the meta "
+                         "device cannot; choose one of: cpu, cuda, auto")
+    parse_dtype(s["dtype"])
     s["compile_backend"] = str(s["compile_backend"])
     return s
 
@@ -259,6 +270,8 @@ def run_stream(model, settings: dict, mode: str, progress=None) -> list[dict]:
     torch._dynamo.reset()  # every mode compiles from scratch
     records = []
     timed = Server(model, mode, settings, max_batch, max_encoder)
+    if progress is not None:
+        progress.set_postfix_str(f"{mode}, timed pass")
     for index, request in enumerate(made):
         graphs = dynamo_graphs()
         _synchronize(device)
@@ -276,8 +289,8 @@ def run_stream(model, settings: dict, mode: str, progress=None) -> list[dict]:
             max_encoder_length=max_encoder, compile_backend=settings["compile_backend"],
             compiles=dynamo_graphs() - graphs if settings["compile_backend"] != "none" else None,
             tokens_match=match, seconds=round(seconds, 4), tokens_per_s=round(request.batch * new / seconds, 2)))
-        if progress is not None:
-            progress.update(1)
+    if progress is not None:  # the bar counts requests done, i.e. metered
+        progress.set_postfix_str(f"{mode}, metered pass")
     metered = Server(model, mode, settings, max_batch, max_encoder)
     metered.step = timed.step
     seen_bases = weakref.WeakValueDictionary()  # id -> base tensor of a cache storage made before this request
@@ -324,13 +337,12 @@ def load_records(path):
 def run(settings: dict, out: Path | None = None, progress: bool = True) -> list[dict]:
     """Every mode of the stream, one after the other on one model; rows written to OUT/results.csv."""
     from tqdm.auto import tqdm
-    model = encdec.build_model(settings["preset"], settings["overrides"], settings["device"], settings["dtype"],
+    model = models.build_model(settings["preset"], settings["overrides"], settings["device"], settings["dtype"],
                                settings["seed"])
     records = []
-    with tqdm(total=2 * settings["count"] * len(settings["modes"]), desc=f"stream {settings['name']}",
+    with tqdm(total=settings["count"] * len(settings["modes"]), desc=f"stream {settings['name']}",
               unit="request", disable=not progress) as bar:
         for mode in settings["modes"]:
-            bar.set_postfix_str(mode)
             mode_records = run_stream(model, settings, mode, progress=bar)
             records += mode_records
             if out is not None:
@@ -339,36 +351,36 @@ def run(settings: dict, out: Path | None = None, progress: bool = True) -> list[
     return records
 
 
-# -- command line --------------------------------------------------------------------------------
-def main(argv=None) -> None:
-    shipped = ", ".join(sorted(p.stem for p in STREAMS_DIR.glob("*.yaml")))
-    parser = argparse.ArgumentParser(prog="python -m kvlab stream", description=__doc__.split("\n\n")[0])
-    parser.add_argument("stream", help=f"stream YAML: a path or one of: {shipped}")
-    parser.add_argument("--out", default=None, help="results folder (default: results/<stream name>)")
-    parser.add_argument("--modes", default=None, help=f"comma-separated, from: {', '.join(MODES)}")
-    parser.add_argument("--count", type=int, default=None, help="number of requests")
-    parser.add_argument("--device", default=None, help="cpu, cuda or auto")
-    parser.add_argument("--compile-backend", default=None, help="none, eager, inductor, ...")
-    args = parser.parse_args(argv)
+# -- command line: `python -m kvlab stream` (its options are in kvlab.lab.cli) -------------------------
+def serve(args, command: str) -> None:
+    """Check the settings and the results folder, then serve the stream in every mode and log the run."""
+    overrides = ",".join(args.override) if args.override else ("" if args.preset else None)
+    settings = load_stream(args.stream, preset=args.preset, overrides=overrides, modes=args.modes, count=args.count,
+                           device=args.device, compile_backend=args.compile_backend)
+    out = results_folder(args.out or Path("results") / settings["name"])
+    started = datetime.datetime.now(datetime.timezone.utc)
+    run(settings, out)
+    _provenance(out, command, settings, started)
+    count, modes = settings["count"], len(settings["modes"])
+    print(f"{out / 'results.csv'}: {count} request{'s' * (count != 1)} x {modes} mode{'s' * (modes != 1)}",
+          file=sys.stderr)
+
+
+def results_folder(out) -> Path:
+    """OUT, made if need be and writable: checked before the first request, so no mode's work is lost."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a results folder")
     try:
-        settings = load_stream(args.stream, modes=args.modes, count=args.count, device=args.device,
-                               compile_backend=args.compile_backend)
-        out = Path(args.out or Path("results") / settings["name"])
-        started = datetime.datetime.now(datetime.timezone.utc)
-        run(settings, out)
-        _provenance(out, " ".join(["python -m kvlab stream", *(argv if argv is not None else sys.argv[1:])]),
-                    settings, started)
-        print(f"{out / 'results.csv'}: {settings['count']} requests x {len(settings['modes'])} modes", file=sys.stderr)
-    except ValueError as error:
-        print(f"kvlab stream: error: {error}", file=sys.stderr)
-        sys.exit(2)
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ValueError(f"--out {out}: cannot make this folder ({error.strerror})") from None
+    if not os.access(out, os.W_OK):
+        raise ValueError(f"--out {out}: this folder is not writable")
+    return out
 
 
 def _provenance(out: Path, command: str, settings: dict, started) -> None:
     """This run in OUT/provenance.json, as a sweep logs its runs (load average: a busy machine slows timings)."""
     from ..lab.store import append_run
     append_run(out, command, started, settings["device"], settings=dict(settings))
-
-
-if __name__ == "__main__":
-    main()

@@ -1,7 +1,8 @@
 """Command line: `python -m kvlab {measure,compare,predict,sweep,stream}`.
 
-Bad input exits with status 2 and one line naming the valid choices, before any model is built; so does a
-point whose predicted peak exceeds the free memory of its device (unless --force).
+Every error is one line, `kvlab VERB: error: ...` (argparse's own too), exit status 2 for bad input,
+before any model is built; so is a point whose predicted peak exceeds the free memory of its device
+(unless --force). measure, predict, compare and sweep run decoders; stream serves encoder-decoders.
 """
 
 from __future__ import annotations
@@ -12,24 +13,46 @@ import sys
 
 from ..caches import CACHES
 from ..loops import LOOPS, STRATEGIES
+from ..models import DECODERS
 from .point import DEFAULTS, DESIGNS, KINDS
-from ..models import PRESETS
+from .reference import ReferenceInstallError
 
 
-def _point_arguments(parser: argparse.ArgumentParser, defaults: dict = DEFAULTS) -> None:
-    parser.add_argument("--preset", default=None, help=f"one of {', '.join(PRESETS)}, a config.json path (or its "
-                        f"folder), or a hub id (default: {defaults['preset']})")
+class Parser(argparse.ArgumentParser):
+    """argparse with kvlab's one-line errors (argparse's own print the whole usage first)."""
+
+    def error(self, message):
+        self.exit(2, f"{self.prog.removeprefix('python -m ')}: error: {message}\n")
+
+
+def _default(key: str) -> str:
+    return f"(default: {DEFAULTS[key]})"
+
+
+def _point_arguments(parser: argparse.ArgumentParser) -> None:
+    """The point's parameters; each left unset (None) unless given, so that normalize knows what was asked for."""
+    parser.add_argument("--preset", default=None, help=f"a decoder preset ({', '.join(DECODERS)}), a config.json path "
+                        f"(or its folder), or a hub id {_default('preset')}")
     parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                         help="config override, repeatable (e.g. num_hidden_layers=2)")
     parser.add_argument("--kind", default=None, help=f"one of {', '.join(KINDS)}: kvlab's loop, or the real release's "
-                        "own generate() for that cache/loop (in a subprocess)")
-    parser.add_argument("--cache", default=None, help=f"one of {', '.join(CACHES)}")
-    parser.add_argument("--loop", default=None, help=f"the release whose generate() loop to run: one of {', '.join(LOOPS)}")
-    parser.add_argument("--strategy", default=None, help=f"one of {', '.join(STRATEGIES)}")
-    for name in ("batch", "prompt", "new", "restart-new", "num-beams", "chunk-limit", "block-tokens", "seed"):
-        parser.add_argument(f"--{name}", type=int, default=None)
-    parser.add_argument("--device", default=None, help="cpu, cuda, meta or auto (CUDA if present)")
-    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16")
+                        f"own generate() for that cache/loop, in a subprocess {_default('kind')}")
+    parser.add_argument("--cache", default=None, help=f"one of {', '.join(CACHES)} {_default('cache')}")
+    parser.add_argument("--loop", default=None, help=f"the release whose generate() loop to run: one of "
+                        f"{', '.join(LOOPS)} {_default('loop')}")
+    parser.add_argument("--strategy", default=None, help=f"one of {', '.join(STRATEGIES)} {_default('strategy')}")
+    sizes = {"batch": "sequences decoded together", "prompt": "prompt length, tokens",
+             "new": "tokens generated per sequence",
+             "restart-new": "tokens a second generate() call adds, continuing from the first's cache; 0: no such call",
+             "num-beams": "beams per sequence (strategy beam)",
+             "chunk-limit": "cache list: chunks kept before they are joined into one",
+             "block-tokens": "cache prealloc: tokens its buffers grow by", "seed": "weights, prompt and sampling"}
+    for name, what in sizes.items():
+        parser.add_argument(f"--{name}", type=int, default=None, metavar="N",
+                            help=f"{what} {_default(name.replace('-', '_'))}")
+    parser.add_argument("--device", default=None, help=f"cpu, cuda, meta (counts without data) or auto (CUDA if "
+                        f"present) {_default('device')}")
+    parser.add_argument("--dtype", default=None, help=f"float32, bfloat16 or float16 {_default('dtype')}")
 
 
 def _point_params(args) -> dict:
@@ -41,22 +64,48 @@ def _point_params(args) -> dict:
     return params
 
 
+# The rows of measure's table: (record field, what it is); a field the point has no value for is left out.
+TABLE = [("baseline_bytes", "weights (before decoding)"), ("peak_bytes", "peak"),
+         ("overhead_bytes", "overhead = peak - weights"), ("kv_at_peak_bytes", "  KV cache, at the peak"),
+         ("logits_at_peak_bytes", "  logits, at the peak"), ("other_at_peak_bytes", "  the rest, at the peak"),
+         ("predicted_overhead_bytes", "overhead predicted (kvlab.theory)"), ("kv_final_bytes", "final KV cache"),
+         ("reserved_peak_bytes", "reserved by the CUDA allocator, peak"),
+         ("storages_peak_bytes", "live storages, peak")]
+
+
+def format_record(r: dict) -> str:
+    """measure's short table: the point, then its bytes in MiB (GiB for a peak of 1 GiB or more)."""
+    unit, size = ("GiB", 2**30) if r["peak_bytes"] >= 2**30 else ("MiB", 2**20)
+    name = f"{r['preset']} ({r['overrides']})" if r["overrides"] else r["preset"]
+    beams = f" x {r['num_beams']} beams" if r["strategy"] == "beam" else ""
+    restart = f" + {r['restart_new']} after a restart" if r["restart_new"] else ""
+    rows = [(label, r[key] / size) for key, label in TABLE if r.get(key) is not None]
+    width = max(len(label) for label, _ in rows)
+    lines = [f"{name}: {r['cache']} cache, {r['loop']} loop ({r['kind']}, {r['runtime']}), {r['strategy']}{beams}; "
+             f"batch {r['batch']}, prompt {r['prompt']}, {r['new']} new{restart}; {r['dtype']} on {r['device']}",
+             "", f"{'':{width}}  {unit:>10}", *(f"{label:{width}}  {value:10.3f}" for label, value in rows), ""]
+    facts = [f"overhead / final KV {r['overhead_over_kv']:.3f}"]
+    if r.get("prediction_error") is not None:
+        facts.append(f"theory off by {100 * r['prediction_error']:+.2f} %")
+    if r.get("tokens_per_s"):
+        facts.append(f"{r['tokens_per_s']:.1f} tokens/s ({r['seconds']:.2f} s, an unmetered run)")
+    lines += ["; ".join(facts), f"meter {r['meter']} on {r['device_name']}; transformers {r['transformers_version']}, "
+              f"torch {r['torch_version']}; --json prints the whole record"]
+    return "\n".join(lines)
+
+
 def cmd_measure(args) -> None:
     from .point import normalize, run_point
     params = _point_params(args)
     normalize(**params)  # fail on bad input before the model is built
     record = run_point(**params)
-    if args.json:
-        print(json.dumps(record))
-    else:
-        for key, value in record.items():
-            print(f"{key:26s} {value}")
+    print(json.dumps(record) if args.json else format_record(record))
 
 
 def cmd_predict(args) -> None:
     from .point import normalize
     from .predict import format_prediction, parse_bytes, predict
-    memory = parse_bytes(args.memory) if args.memory else None
+    memory = parse_bytes(args.memory) if args.memory is not None else None
     p = normalize(**_point_params(args))
     # Every design, those of one cache or loop, or exactly the (cache, loop) asked for.
     designs = [(cache, loop) for cache, loop in DESIGNS if args.cache in (None, cache) and args.loop in (None, loop)]
@@ -78,40 +127,63 @@ def cmd_sweep(args) -> None:
 
 
 def cmd_stream(args) -> None:
-    from ..encdec.stream import main as stream_main
-    stream_main(args.rest)
+    from ..encdec.stream import serve
+    serve(args, command=" ".join(["python -m kvlab", *args.argv]))
+
+
+def _stream_arguments(parser: argparse.ArgumentParser) -> None:
+    from ..encdec import stream
+    from ..models import ENCODER_DECODERS
+    parser.description = stream.__doc__.split("\n\n")[0]
+    file = "(default: the stream file's)"
+    parser.add_argument("stream", help="stream YAML: a path or one of: "
+                        f"{', '.join(sorted(p.stem for p in stream.STREAMS_DIR.glob('*.yaml')))}")
+    parser.add_argument("--preset", default=None, help=f"an encoder-decoder preset ({', '.join(ENCODER_DECODERS)}), "
+                        f"a config.json path or a hub id {file}")
+    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="config override, "
+                        "repeatable, e.g. num_layers=2 (default: the stream file's, unless --preset is given)")
+    parser.add_argument("--out", default=None, help="results folder (default: results/<stream name>)")
+    parser.add_argument("--modes", default=None, help=f"comma-separated, from: {', '.join(stream.MODES)} {file}")
+    parser.add_argument("--count", type=int, default=None, metavar="N", help=f"number of requests {file}")
+    parser.add_argument("--device", default=None, help=f"cpu, cuda or auto {file}")
+    parser.add_argument("--compile-backend", default=None, help=f"none, eager, inductor, ... {file}")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m kvlab", description="Where the memory of generate() goes.")
+    parser = Parser(prog="python -m kvlab", description="Where the memory of generate() goes.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    measure = sub.add_parser("measure", help="measure one point and print its record")
+    measure = sub.add_parser("measure", help="measure one point and print its record",
+                             description="Measure one point: the peak of generate()'s memory above the weights, and "
+                             "what is live at the peak. Prints a table in MiB or GiB; --json prints the record (bytes).")
     _point_arguments(measure)
-    measure.add_argument("--json", action="store_true", help="print the record as one JSON line")
-    measure.add_argument("--runtime", default=None, help="eager (kvlab's loop, default), jit-trace (a torch.jit.trace "
-                         "graph passing tuples: cache tuple), convert (tuples <-> DynamicCache every step: cache "
-                         "dynamic) or export (torch.export with a static cache: cache static); see kvlab.graphs")
+    measure.add_argument("--json", action="store_true", help="print the whole record (bytes) as one JSON line")
+    measure.add_argument("--runtime", default=None, help="eager (kvlab's loop), jit-trace (a torch.jit.trace graph "
+                         "passing tuples: cache tuple), convert (tuples <-> DynamicCache every step: cache dynamic) or "
+                         f"export (torch.export with a static cache: cache static); see kvlab.graphs {_default('runtime')}")
     measure.add_argument("--no-timing", dest="timing", action="store_false", default=None,
                          help="skip the second, unmetered run that measures tokens/s")
     measure.add_argument("--force", action="store_true", default=None,
                          help="run even if the predicted peak exceeds the free memory of the device")
     measure.set_defaults(func=cmd_measure)
 
-    predict = sub.add_parser("predict", help="the predicted peak (weights + overhead) of every design, before running")
+    predict = sub.add_parser("predict", help="the predicted peak (weights + overhead) of every design, before running",
+                             description="The predicted peak of every design (or the one asked for) from the config "
+                             "alone, in GiB; nothing is allocated.")
     _point_arguments(predict)
     predict.add_argument("--memory", default=None, metavar="SIZE",
                          help="say whether each design fits in this much memory (e.g. 24GiB, 80GB, 512MiB, bytes)")
-    predict.add_argument("--json", action="store_true", help="print the prediction, term by term, as JSON")
+    predict.add_argument("--json", action="store_true", help="print the prediction, term by term, as JSON (bytes)")
     predict.set_defaults(func=cmd_predict)
 
     compare = sub.add_parser("compare", help="the tuple cache of <= 4.41 vs every later design, on the default device")
-    compare.add_argument("--device", default="auto")
-    compare.add_argument("--preset", default=None, help="default: llama2-7b-twin on CPU, tinyllama-1.1b on CUDA (see kvlab/lab/sweeps/)")
-    compare.add_argument("--batch", type=int, default=None)
-    compare.add_argument("--prompt", type=int, default=None)
-    compare.add_argument("--new", type=int, default=None)
-    compare.add_argument("--dtype", default=None)
+    compare.add_argument("--device", default="auto", help="cpu, cuda or auto (CUDA if present) (default: auto)")
+    compare.add_argument("--preset", default=None, help="a decoder preset, config.json or hub id (default: "
+                         "llama2-7b-twin on CPU, tinyllama-1.1b on CUDA: kvlab/lab/sweeps/cpu-default.yaml, cuda-default.yaml)")
+    for name, what in (("batch", "sequences decoded together"), ("prompt", "prompt length, tokens"),
+                       ("new", "tokens generated per sequence")):
+        compare.add_argument(f"--{name}", type=int, default=None, metavar="N", help=f"{what} (default: the sweep file's)")
+    compare.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the sweep file's)")
     compare.add_argument("--out", default=None, help="results folder (default: results/compare-<time>)")
     compare.set_defaults(func=cmd_compare)
 
@@ -120,26 +192,25 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.add_argument("rest", nargs=argparse.REMAINDER)
     sweep.set_defaults(func=cmd_sweep)
 
-    stream = sub.add_parser("stream", help="serve a stream of encoder-decoder requests with each cache design",
-                            add_help=False)
-    stream.add_argument("rest", nargs=argparse.REMAINDER)
+    stream = sub.add_parser("stream", help="serve a stream of encoder-decoder requests with each cache design")
+    _stream_arguments(stream)
     stream.set_defaults(func=cmd_stream)
     return parser
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    handed_over = {"sweep": cmd_sweep, "stream": cmd_stream}
+    handed_over = {"sweep": cmd_sweep}
     if argv[:1] and argv[0] in handed_over:  # argparse's REMAINDER cannot start with an option: hand over directly
         args = argparse.Namespace(command=argv[0], rest=argv[1:], func=handed_over[argv[0]])
     else:
         args = build_parser().parse_args(argv)
+    args.argv = argv
     try:
         args.func(args)
-    except ValueError as error:
+    except ValueError as error:  # bad input
         print(f"kvlab {args.command}: error: {error}", file=sys.stderr)
         sys.exit(2)
-
-
-if __name__ == "__main__":
-    main()
+    except ReferenceInstallError as error:  # the machine's, not the input's
+        print(f"kvlab {args.command}: error: {error}", file=sys.stderr)
+        sys.exit(1)

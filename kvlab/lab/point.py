@@ -104,7 +104,10 @@ def normalize(**params) -> dict:
     parse_dtype(p["dtype"])
     if isinstance(p["overrides"], (list, tuple, dict)):
         p["overrides"] = ",".join(f"{k}={v}" for k, v in parse_overrides(p["overrides"]).items())
-    load_config(p["preset"], p["overrides"])  # raises on a bad preset, key or size, or a hub id not to be had
+    config = load_config(p["preset"], p["overrides"])  # raises on a bad preset, key or size, or a hub id not to be had
+    if config.is_encoder_decoder:
+        raise ValueError(f"{p['preset']} is an encoder-decoder model: measure, predict, compare and sweep run decoders; "
+                         "use `python -m kvlab stream`")
     if p["track_storages"] == "auto":
         p["track_storages"] = torch.device(p["device"]).type != "cuda"
     p["track_storages"] = is_true(p["track_storages"])
@@ -136,6 +139,24 @@ def _check_reference(p: dict) -> None:
                          f"point is one of: {pairs}")
     if p["strategy"] not in ("greedy", "beam") or int(p["restart_new"]):
         raise ValueError("a reference point decodes greedy or beam, without a restart")
+    if str(p["device"]).startswith("meta"):
+        raise ValueError("a reference point runs a release's own generate(), which the meta device cannot; choose one "
+                         "of: cpu, cuda, auto")
+
+
+def make_prompt(vocab_size: int, p: dict) -> torch.Tensor:
+    """The point's prompt: seeded token ids drawn on the CPU (the same on every device), or, on meta, shapes
+    only, so that counting a point far beyond this machine's memory allocates nothing real."""
+    shape = (p["batch"], p["prompt"])
+    if torch.device(p["device"]).type == "meta":
+        return torch.empty(shape, dtype=torch.long, device="meta")
+    generator = torch.Generator().manual_seed(p["seed"])
+    return torch.randint(0, vocab_size, shape, generator=generator).to(p["device"])
+
+
+def beams(p: dict) -> int:
+    """Sequences decoded per prompt: num_beams for beam search, one otherwise."""
+    return p["num_beams"] if p["strategy"] == "beam" else 1
 
 
 def run_point(model=None, **params) -> dict:
@@ -158,8 +179,7 @@ def measure(model=None, **params):
     if model is None:
         model = build_model(p["preset"], p["overrides"], p["device"], p["dtype"], p["seed"])
     config = model.config
-    generator = torch.Generator().manual_seed(p["seed"])
-    prompt = torch.randint(0, config.vocab_size, (p["batch"], p["prompt"]), generator=generator).to(p["device"])
+    prompt = make_prompt(config.vocab_size, p)
     options = dict(cache=p["cache"], loop=p["loop"], strategy=p["strategy"], num_beams=p["num_beams"],
                    sampling=Sampling(temperature=0.7, top_k=50, top_p=0.9, seed=p["seed"]),
                    cache_options=dict(chunk_limit=p["chunk_limit"], block_tokens=p["block_tokens"],
@@ -190,7 +210,7 @@ def measure(model=None, **params):
 
 def _record(p: dict, config, measured: dict, seconds: float | None, origin: dict) -> dict:
     """The flat record of a measured point: its parameters, what the meter saw, KV, theory, speed, provenance."""
-    rows = p["batch"] * (p["num_beams"] if p["strategy"] == "beam" else 1)
+    rows = p["batch"] * beams(p)
     kv_final = kv_bytes_per_token(config, rows, p["dtype"]) * (p["prompt"] + p["new"] + p["restart_new"])
     predicted = theory.predict_overhead(config, **{k: p[k] for k in theory.POINT_KEYS})
     overhead = measured["overhead_bytes"]
@@ -198,7 +218,7 @@ def _record(p: dict, config, measured: dict, seconds: float | None, origin: dict
         preset=p["preset"], overrides=p["overrides"], cache=p["cache"], loop=p["loop"], kind=p["kind"],
         runtime=p["runtime"],
         strategy=p["strategy"], batch=p["batch"], prompt=p["prompt"], new=p["new"],
-        restart_new=p["restart_new"], num_beams=p["num_beams"] if p["strategy"] == "beam" else 1,
+        restart_new=p["restart_new"], num_beams=beams(p),
         device=p["device"], dtype=p["dtype"], meter=measured["meter"],
         baseline_bytes=measured["baseline_bytes"], peak_bytes=measured["peak_bytes"],
         overhead_bytes=overhead, reserved_peak_bytes=measured.get("reserved_peak_bytes"),
@@ -218,10 +238,10 @@ def _record(p: dict, config, measured: dict, seconds: float | None, origin: dict
 
 def _measure_reference(p: dict) -> dict:
     """The release's own generate() at this point (kvlab.lab.reference: a subprocess, the same meter)."""
-    from .reference import measure_reference
+    from .reference import REFERENCE_KEYS, measure_reference
     version, implementation = REFERENCES[(p["cache"], p["loop"])]
-    real = measure_reference(version, p["preset"], p["overrides"] or None, p["batch"], p["prompt"], p["new"],
-                             p["dtype"], p["strategy"], p["num_beams"], implementation, p["device"], p["seed"])
+    real = measure_reference(version, cache_implementation=implementation,
+                             **{key: p[key] for key in REFERENCE_KEYS})
     # Provenance of this process, with the versions the subprocess really ran.
     origin = dict(provenance(p["device"]), transformers_version=real["transformers_version"],
                   torch_version=real["torch_version"])

@@ -16,7 +16,8 @@ import re
 import torch
 
 from .. import theory
-from ..models import PRESETS, is_hub_id, load_config, parse_dtype, weight_bytes
+from ..models import DECODERS, instantiate, is_hub_id, load_config, parse_dtype, weight_bytes
+from .point import beams
 
 GIB = 2**30
 # Decoders whose layers kvlab.theory walks through (attention with grouped KV heads, gated MLP).
@@ -34,7 +35,10 @@ def parse_bytes(text) -> int:
     match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
     if not match or match.group(2) not in UNITS:
         raise ValueError(f"memory size {text!r} not understood; give a number and one of: GiB, GB, MiB, MB, bytes")
-    return int(float(match.group(1)) * UNITS[match.group(2)])
+    size = int(float(match.group(1)) * UNITS[match.group(2)])
+    if size < 1:
+        raise ValueError(f"memory size {text!r} is not positive; give a number and one of: GiB, GB, MiB, MB, bytes")
+    return size
 
 
 def format_bytes(n: int) -> str:
@@ -46,15 +50,14 @@ def check_modeled(config, name: str) -> None:
     model_type = getattr(config, "model_type", None)
     if model_type not in MODELED:
         raise ValueError(f"{name}: model_type {model_type!r} is not modelled by kvlab.theory, which models "
-                         f"{', '.join(MODELED)} decoders; choose one of: {', '.join(PRESETS)}, or such a config")
+                         f"{', '.join(MODELED)} decoders; choose one of: {', '.join(DECODERS)}, or such a config")
 
 
 @functools.lru_cache(maxsize=32)
 def _weights(config_class: type, config_json: str, dtype: str) -> int:
     config = config_class.from_dict(json.loads(config_json))
-    from transformers import AutoModelForCausalLM
     with torch.device("meta"):  # shapes only: a 7B model costs nothing to build here
-        model = AutoModelForCausalLM.from_config(config, dtype=parse_dtype(dtype))
+        model = instantiate(config, parse_dtype(dtype))
     return weight_bytes(model)
 
 
@@ -91,7 +94,8 @@ def predict(p: dict, designs, memory: int | None = None) -> dict:
             row["fits"] = row["peak_bytes"] <= memory
         rows.append(row)
     sizes = {key: p[key] for key in ("preset", "overrides", "dtype", "strategy", "batch", "prompt", "new",
-                                     "restart_new", "num_beams")}
+                                     "restart_new")}
+    sizes["num_beams"] = beams(p)  # as in a measured record: 1 unless the point searches beams
     model = {key: getattr(config, key, None) for key in ("model_type", "num_hidden_layers", "hidden_size",
                                                          "num_attention_heads", "num_key_value_heads", "vocab_size")}
     return dict(**sizes, model=model, weights_bytes=weights, memory_bytes=memory, designs=rows)

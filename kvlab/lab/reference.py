@@ -5,15 +5,14 @@ its own folder (`pip --target`, no dependencies resolved, with the libraries it 
 and runs in a subprocess with that folder first on PYTHONPATH. The installed 5.x runs in a
 subprocess too, through the same worker, so every reference is measured the same way: a fresh
 process that imports only `kvlab.meter` (plain torch), builds the preset with that release's own
-classes and prints one JSON record.
+classes and prints one JSON record. From the command line, a reference point is a `measure`:
 
-    python -m kvlab.lab.reference --version 4.42.4 --preset toy --batch 8 --prompt 64 --new 512
-    python -m kvlab.lab.reference --version installed --strategy beam --num-beams 4 --cache-implementation static
+    python -m kvlab measure --kind reference --cache tuple --loop v4.40     # transformers 4.40.1
+    python -m kvlab measure --kind reference --cache static --loop v5 --strategy beam
 """
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
 import os
@@ -39,8 +38,8 @@ CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_att
                "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "sliding_window",
                "use_sliding_window")
 STRATEGIES = ("greedy", "beam")
-POINT_DEFAULTS = dict(preset="toy", overrides=None, batch=8, prompt=64, new=512, dtype="float32", strategy="greedy",
-                      num_beams=4, cache_implementation=None, device="cpu", seed=0)
+# A reference point's parameters: these of kvlab.lab.point's, with its defaults, and the cache_implementation.
+REFERENCE_KEYS = ("preset", "overrides", "batch", "prompt", "new", "dtype", "strategy", "num_beams", "device", "seed")
 
 
 class ReferenceInstallError(RuntimeError):
@@ -57,36 +56,37 @@ def install_reference(version: str) -> Path | None:
     # Every pin's dist-info, not just transformers': an interrupted install must be redone.
     wanted = [target / f"{pin.split('==')[0].replace('-', '_')}-{pin.split('==')[1]}.dist-info" for pin in pins]
     if not all(path.exists() for path in wanted):
+        print(f"installing {' '.join(pins)} into {target} (once, for reference points; needs a package index)",
+              file=sys.stderr, flush=True)
         # --upgrade replaces a half-installed package; --no-deps keeps transformers 5's pins out of the folder.
         result = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade",
                                  "--target", str(target), *pins], capture_output=True, text=True, check=False)
         if result.returncode != 0:
+            reason = (result.stderr.strip().splitlines() or ["no message"])[-1]
             raise ReferenceInstallError(f"pip could not install {' '.join(pins)} into {target} (is a package index "
-                                        f"reachable?):\n{result.stderr[-2000:]}")
+                                        f"reachable?): {reason}")
     return target
 
 
-def measure_reference(version: str = "4.40.1", preset: str = "toy", overrides=None, batch: int = 8,
-                      prompt: int = 64, new: int = 512, dtype: str = "float32", strategy: str = "greedy",
-                      num_beams: int = 4, cache_implementation: str | None = None, device: str = "cpu",
-                      seed: int = 0) -> dict:
-    """Run release `version`'s own `generate()` on the preset in a subprocess; return its measured record."""
-    point = dict(preset=preset, overrides=overrides, batch=batch, prompt=prompt, new=new, dtype=dtype,
-                 strategy=strategy, num_beams=num_beams, cache_implementation=cache_implementation, device=device,
-                 seed=seed)
+def measure_reference(version: str = "4.40.1", **point) -> dict:
+    """Run release `version`'s own `generate()` at one point (REFERENCE_KEYS and cache_implementation, the rest
+    kvlab.lab.point's defaults) in a subprocess; return its measured record."""
     return measure_references(version, [point])[0]
 
 
 def measure_references(version: str, points: list[dict]) -> list[dict]:
     """Several points (dicts of `measure_reference`'s keywords) in one subprocess: the release is imported
     once, and each point still builds its own model and prompt."""
-    from ..models import build_config, kv_bytes_per_token, parse_dtype, parse_overrides
+    from ..models import build_config, kv_bytes_per_token, parse_dtype, parse_overrides, resolve_device
+    from .point import DEFAULTS  # here, not above: the worker's process imports this module under old releases
+    defaults = dict({key: DEFAULTS[key] for key in REFERENCE_KEYS}, cache_implementation=None)
     specs = []
     for point in points:
-        unknown = set(point) - set(POINT_DEFAULTS)
+        unknown = set(point) - set(defaults)
         if unknown:
-            raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))}; valid: {', '.join(POINT_DEFAULTS)}")
-        p = {**POINT_DEFAULTS, **point}
+            raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))}; valid: {', '.join(defaults)}")
+        p = {**defaults, **point}
+        p["device"] = resolve_device(p["device"])
         if p["strategy"] not in STRATEGIES:
             raise ValueError(f"unknown strategy {p['strategy']!r}; choose one of: {', '.join(STRATEGIES)}")
         if p["cache_implementation"] is not None and version in RELEASES:
@@ -103,7 +103,7 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
     target = install_reference(version)
     path = [str(ROOT)] if target is None else [str(target), str(ROOT)]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    result = subprocess.run([sys.executable, "-m", "kvlab.lab.reference", "--worker", json.dumps(dict(version=version,
+    result = subprocess.run([sys.executable, "-m", "kvlab.lab.reference", json.dumps(dict(version=version,
                             points=specs))], env=env, capture_output=True, text=True, check=False)
     if result.returncode != 0:
         raise RuntimeError(f"transformers {version} run failed:\n{result.stderr[-3000:]}")
@@ -182,31 +182,5 @@ def _measure_point(spec: dict) -> dict:
                 tokens_sha256=hashlib.sha256(json.dumps(tokens).encode()).hexdigest(), tokens=tokens)
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--version", default="4.40.1", help=f"one of {', '.join([*RELEASES, INSTALLED])}")
-    parser.add_argument("--preset", default="toy")
-    parser.add_argument("--overrides", default=None, help="e.g. num_key_value_heads=2")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--prompt", type=int, default=64)
-    parser.add_argument("--new", type=int, default=512)
-    parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--strategy", default="greedy", choices=STRATEGIES)
-    parser.add_argument("--num-beams", type=int, default=4)
-    parser.add_argument("--cache-implementation", default=None, help="installed 5.x only, e.g. static")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--tokens", action="store_true", help="keep the generated token ids in the output")
-    args = parser.parse_args(argv)
-    if args.worker:
-        print(json.dumps(_worker(json.loads(args.worker))))
-        return
-    record = measure_reference(args.version, args.preset, args.overrides, args.batch, args.prompt, args.new,
-                               args.dtype, args.strategy, args.num_beams, args.cache_implementation, args.device)
-    if not args.tokens:
-        record.pop("tokens")
-    print(json.dumps(record))
-
-
-if __name__ == "__main__":
-    main()
+if __name__ == "__main__":  # the worker's entry point: measure_references runs `python -m kvlab.lab.reference JOB`
+    print(json.dumps(_worker(json.loads(sys.argv[1]))))

@@ -7,6 +7,7 @@ import signal
 import sys
 from pathlib import Path
 
+from .cli import Parser
 from .point import DEFAULTS
 from .engines import ENGINES, run_sweep
 from .grid import SWEEPS_DIR, expand, load_sweep, merge_grid_items, point_id, point_label, read_sweep, validate
@@ -17,7 +18,7 @@ DESCRIPTION = "Run a grid of experiment points with papermill: one fresh kernel 
 
 def build_parser() -> argparse.ArgumentParser:
     shipped = ", ".join(sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml")))
-    parser = argparse.ArgumentParser(prog="python -m kvlab sweep", description=DESCRIPTION)
+    parser = Parser(prog="python -m kvlab sweep", description=DESCRIPTION)  # one-line errors, as every verb
     parser.add_argument("sweep", nargs="?", help=f"sweep YAML (fixed: + grid:), a path or one of: {shipped}")
     parser.add_argument("--file", help="the same, as an option")
     parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
@@ -68,7 +69,7 @@ def main(argv=None) -> None:
         if args.dry_run:
             for params in points:
                 print(point_id(params), point_label(params))
-            print(f"{len(points)} points; results would go to {out / 'results.csv'}"
+            print(f"{len(points)} point{'s' * (len(points) != 1)}; results would go to {out / 'results.csv'}"
                   + (f"; each cell of a point may run {timeout} s" if timeout else ""))
             return
         command = " ".join(["python -m kvlab sweep", *(argv if argv is not None else sys.argv[1:])])
