@@ -68,13 +68,13 @@ def kernel_environment(points: list[dict]):
 def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = None) -> dict:
     """Execute the point notebook for one point in a fresh kernel; return its results row.
 
-    The executed notebook goes to OUT/notebooks/, the point's record to OUT/records/ (both folders must exist).
+    The executed notebook goes to OUT/notebooks/ (the folder must exist); its record comes back in the row.
     """
     import papermill
 
     label = point_label(params)
     executed = out / "notebooks" / f"{label}.ipynb"
-    record_path = out / "records" / f"{label}.json"
+    record_path = out / "notebooks" / f"{label}.json"  # read into the row, then removed: OUT/records/ is the store's
     record_path.unlink(missing_ok=True)
     row = new_row(params, notebook=os.path.relpath(executed, out))
     clock = time.perf_counter()
@@ -86,6 +86,7 @@ def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = N
                                    kernel_name=kernel_name or notebook_kernel(), progress_bar=False, log_output=False,
                                    cwd=str(PACKAGE_DIR.parent), extra_arguments=QUIET_KERNEL)
         row.update(json.loads(record_path.read_text()), status="ok", error=None)
+        record_path.unlink()
     except TooBig as error:  # refused: no notebook was run
         row.update(status="too-big", error=str(error), notebook=None)
     except Exception as error:  # a failed point is a row, not the end of the sweep

@@ -7,10 +7,13 @@ import signal
 import sys
 from pathlib import Path
 
+import yaml
+
 from .point import DEFAULTS
 from .engines import ENGINES, run_sweep
-from .grid import SWEEPS_DIR, expand, load_sweep, merge_grid_items, point_id, point_label, validate
+from .grid import SWEEPS_DIR, expand, load_sweep, merge_grid_items, point_id, point_label, sweep_file, validate
 from .runner import POINT_NOTEBOOK
+from .store import rebuild
 
 DESCRIPTION = "Run a grid of experiment points with papermill: one fresh kernel per point, resumable, failures are rows."
 
@@ -27,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kernel", default=None, help="Jupyter kernel name (default: the notebook's)")
     parser.add_argument("--dry-run", action="store_true", help="validate and list the points, run nothing")
     parser.add_argument("--force", action="store_true", help="run points predicted not to fit in free memory too")
+    parser.add_argument("--rebuild", action="store_true",
+                        help="remake OUT/results.csv from the rows in OUT/records/ and stop (every sweep does this first)")
     ray = parser.add_argument_group("engine", "where the points run (the results folder is the same for both)")
     ray.add_argument("--engine", default="local", metavar="{" + ",".join(ENGINES) + "}",
                      help="local: one point after the other here (default); ray: a Ray task per point")
@@ -35,6 +40,21 @@ def build_parser() -> argparse.ArgumentParser:
     ray.add_argument("--num-cpus", type=float, default=None, help="CPUs per point's Ray task (default 1)")
     ray.add_argument("--num-gpus", type=float, default=None, help="GPUs per point's Ray task (default: 1 for CUDA points, else 0)")
     return parser
+
+
+def read_sweep(name: str) -> tuple[dict, dict]:
+    """A sweep file's (fixed, grid); a folder, or a file that is not YAML, is one line naming it."""
+    path = sweep_file(name)
+    if path.is_dir():
+        raise ValueError(f"{path} is a folder; give a sweep file (YAML)")
+    try:
+        return load_sweep(path)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" (line {mark.line + 1}: {error.problem})" if mark else ""
+        raise ValueError(f"{path} is not valid YAML{where}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path} is not a text file; give a sweep file (YAML)") from None
 
 
 def main(argv=None) -> None:
@@ -47,16 +67,24 @@ def main(argv=None) -> None:
             raise ValueError(f"unknown engine {args.engine!r}; choose one of {', '.join(ENGINES)}")
         if args.engine == "local" and (args.address or args.num_cpus is not None or args.num_gpus is not None):
             raise ValueError("--address, --num-cpus and --num-gpus are for --engine ray")
-        fixed, grid = load_sweep(args.file) if args.file else ({}, {})
+        fixed, grid = read_sweep(args.file) if args.file else ({}, {})
         fixed, grid = merge_grid_items(fixed, grid, args.grid)
+        name = Path(args.file).stem if args.file else "sweep"
+        out = Path(args.out or Path("results") / name)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out} is a file; give a folder for the results")
+        if args.rebuild:
+            if not out.is_dir():
+                raise ValueError(f"no results folder {out} to rebuild; give it with --out")
+            rows = rebuild(out / "results.csv")
+            print(f"{out / 'results.csv'}: {len(rows)} rows, from {out / 'records'}", file=sys.stderr)
+            return
         if not args.file and not args.grid:
             raise ValueError("give --file and/or --grid key=v1,v2,...")
         if args.force:
             grid.pop("force", None)
             fixed["force"] = True
         points = validate(expand(fixed, grid), devices_here=args.engine == "local")
-        name = Path(args.file).stem if args.file else "sweep"
-        out = Path(args.out or Path("results") / name)
         if args.dry_run:
             for params in points:
                 print(point_id(params), point_label(params))
@@ -68,6 +96,11 @@ def main(argv=None) -> None:
                   engine=args.engine, **(engine_options if args.engine == "ray" else {}))
     except ValueError as error:
         print(f"kvlab sweep: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as error:  # the file system: full, read-only, a file where a folder is wanted
+        where = f" ({error.filename})" if error.filename else ""
+        print(f"kvlab sweep: error: {error.strerror or error}{where}; the rows saved so far are kept: "
+              f"fix that and rerun the same command to resume", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # the rows written so far stay valid: a rerun resumes
         print("kvlab sweep: interrupted; rerun the same command to resume", file=sys.stderr)
