@@ -90,7 +90,8 @@ def prepare_folder(out: str | os.PathLike) -> None:
         tempfile.TemporaryFile(dir=out / "records").close()
         free = shutil.disk_usage(out).free
     except OSError as error:
-        raise ValueError(f"cannot write results to {out}: {error.strerror} ({error.filename})") from None
+        where = f" ({error.filename})" if error.filename else ""
+        raise ValueError(f"cannot write results to {out}: {error.strerror or error}{where}") from None
     if free < MIN_FREE_BYTES:
         raise ValueError(f"cannot write results to {out}: {free // 1024} KiB free on its file system, "
                          f"a point needs about {MIN_FREE_BYTES // 1024} KiB")
@@ -143,7 +144,7 @@ def _saved_rows(records: Path) -> dict[str, dict]:
         try:
             row = json.loads(path.read_text())
         except ValueError as error:  # not JSON, not text: a torn copy or a hand edit
-            _set_aside(path, f"not JSON: {error}", "its point runs again")
+            _set_aside(path, f"not JSON: {error}", "its row comes from the table if it has one, else its point reruns")
             continue
         if isinstance(row, dict) and row.get("point_id") and row.get("status") in STATUSES:
             rows[row["point_id"]] = row

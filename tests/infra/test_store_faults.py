@@ -110,6 +110,17 @@ def test_a_row_saved_onto_a_torn_table_keeps_every_row(tmp_path, capsys):
     assert table["point_id"].iloc[-1] == measured_rows(6)[5]["point_id"]
 
 
+def test_a_damaged_record_is_set_aside_and_its_row_taken_from_the_table(tmp_path, capsys):
+    out = folder_with_rows(tmp_path / "out", count=3)
+    record = out / "records" / f"{measured_rows(2)[1]['point_id']}.json"
+    record.write_bytes(record.read_bytes()[:300])  # cut short
+    assert len(rebuild(out / "results.csv")) == 3
+    assert f"kvlab: {record} is damaged (not JSON: " in capsys.readouterr().err
+    assert len(list((out / "records").glob("*.json.damaged-*"))) == 1
+    table = load_results(out)
+    assert list(table["point_id"]) == [row["point_id"] for row in measured_rows(3)] and same_as_measured(table)
+
+
 def test_a_damaged_table_without_records_stops_the_sweep_in_one_line(tmp_path, capsys):
     """A folder from before records held rows: nothing to rebuild from, so nothing is touched or run."""
     out = tmp_path / "out"
