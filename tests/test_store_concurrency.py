@@ -62,7 +62,8 @@ def test_concurrent_writers_keep_every_row_once(tmp_path):
     runs = json.loads((tmp_path / "provenance.json").read_text())["runs"]
     assert sorted(run["command"] for run in runs) == [f"writer {w}" for w in range(WRITERS)]
     assert sorted(path.name for path in tmp_path.iterdir() if not path.name.startswith(("ready", "go"))) == \
-        ["provenance.json", "results.csv"]  # no temporary file left, and the locks are elsewhere
+        ["provenance.json", "records", "results.csv"]  # no temporary file left, and the locks are elsewhere
+    assert sorted(path.stem for path in (tmp_path / "records").iterdir()) == sorted(expected)  # one row file each
 
 
 @pytest.mark.slow

@@ -2,7 +2,7 @@
 
     point       one measured point: parameters in (validated in one place), one flat record out
     grid        sweep files and --grid items → points, with stable ids
-    store       results.csv rows (file-locked), resume, provenance.json
+    store       each point's row in records/, results.csv made from them (file-locked), resume, provenance
     runner      one point: the point notebook under papermill in a fresh kernel → a row; failure statuses
     engines     the sweep driver and the local engine; ray_engine: a Ray task per point
     reference   the real releases' own generate(), each in its own folder, in a subprocess

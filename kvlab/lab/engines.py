@@ -2,8 +2,8 @@
 the engines that run the points: `local` (one after the other, here) and `ray` (a Ray task per point).
 
 An engine is a generator: given the points still to run, it yields each point's row as the point ends,
-having put the executed notebook and record into OUT/notebooks/ and OUT/records/. Everything else
-(which points are done, the results file, the provenance log) is the driver's, the same for every engine.
+having put the executed notebook into OUT/notebooks/. Everything else (which points are done, the rows
+in OUT/records/ and the results table, the provenance log) is the driver's, the same for every engine.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .grid import point_id, point_label, points_of, read_sweep, validate
 from .runner import POINT_NOTEBOOK, kernel_environment, run_one
-from .store import STATUSES, append_row, done_point_ids, load_results, record_run
+from .store import STATUSES, append_row, done_point_ids, load_results, prepare_folder, record_run
 
 
 def local_engine(todo: list[dict], out: Path, notebook: Path, kernel_name: str | None = None,
@@ -62,10 +62,9 @@ def run_sweep(points_or_grid, out, *, fixed: dict | None = None, notebook: str |
         raise ValueError(f"point notebook {notebook} not found; pass notebook= (or --notebook)")
 
     out = Path(out)
-    (out / "notebooks").mkdir(parents=True, exist_ok=True)
-    (out / "records").mkdir(exist_ok=True)
+    prepare_folder(out)  # a folder that cannot be written is refused before any point runs
     results = out / "results.csv"
-    done = done_point_ids(results)
+    done = done_point_ids(results)  # the table checked against the records, rebuilt if damaged
     todo = [p for p in points if point_id(p) not in done]
     if progress and len(todo) < len(points):
         print(f"{len(points) - len(todo)} of {len(points)} points already in {results}; running the other {len(todo)}",

@@ -5,8 +5,8 @@
     python -m kvlab sweep pr-batch --engine ray --address ray://head:10001
 
 Each task runs the point notebook under papermill in a fresh kernel on whichever node Ray picks, in a
-scratch folder there, and returns its row, the executed notebook and the record: the driver writes them
-into OUT (the nodes need kvlab installed, not a shared file system). A task asks for what its point's
+scratch folder there, and returns its row (the record in it) and the executed notebook: the driver writes
+them into OUT (the nodes need kvlab installed, not a shared file system). A task asks for what its point's
 device needs, one GPU for a CUDA point and one CPU otherwise (`num_gpus`/`num_cpus` override; a fraction,
 e.g. `--num-gpus 0.25`, lets four points share one card): a task asking for a GPU the cluster does not have
 would wait forever, so such a sweep is refused up front.
@@ -20,7 +20,6 @@ import tempfile
 import time
 from pathlib import Path
 
-from .grid import point_label
 from .runner import kernel_environment, mark_failed, new_row, run_one
 
 
@@ -32,20 +31,17 @@ def point_resources(params: dict, num_cpus: float | None = None, num_gpus: float
 
 
 def run_point_task(params: dict, notebook_text: str, kernel_name: str | None = None,
-                   timeout: int | None = None) -> tuple[dict, str, str]:
-    """Inside a Ray task, on any node: one point in a scratch folder → (row, executed notebook, record)."""
+                   timeout: int | None = None) -> tuple[dict, str | None]:
+    """Inside a Ray task, on any node: one point in a scratch folder → (row, executed notebook)."""
     with tempfile.TemporaryDirectory(prefix="kvlab-point-") as scratch:
         scratch = Path(scratch)
         (scratch / "notebooks").mkdir()
-        (scratch / "records").mkdir()
         notebook = scratch / "point.ipynb"
         notebook.write_text(notebook_text)
         with kernel_environment([params]):
             row = run_one(params, scratch, notebook, kernel_name, timeout)
         executed = scratch / row["notebook"] if row["notebook"] else None
-        records = list((scratch / "records").glob("*.json"))
-        return (row, executed.read_text() if executed and executed.exists() else None,
-                records[0].read_text() if records else None)
+        return row, executed.read_text() if executed and executed.exists() else None
 
 
 def run_on_ray(todo: list[dict], out: Path, notebook: Path, kernel_name: str | None = None,
@@ -82,7 +78,7 @@ def run_on_ray(todo: list[dict], out: Path, notebook: Path, kernel_name: str | N
             [ref], _ = ray.wait(list(pending), num_returns=1)
             params, submitted = pending.pop(ref)
             try:
-                row, executed, record = ray.get(ref)
+                row, executed = ray.get(ref)
             except ray.exceptions.RayError as error:  # the task itself died (worker or node lost): a failure row
                 cause = getattr(error, "cause", None) or error
                 row = mark_failed(new_row(params), type(cause).__name__, str(cause))
@@ -90,8 +86,6 @@ def run_on_ray(todo: list[dict], out: Path, notebook: Path, kernel_name: str | N
             else:
                 if executed is not None:
                     (out / row["notebook"]).write_text(executed)
-                if record is not None:
-                    (out / "records" / f"{point_label(params)}.json").write_text(record)
             yield row
     finally:  # Ctrl-C, an error or a closed generator: stop what still runs
         for ref in pending:

@@ -69,7 +69,7 @@ def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = N
             timeout: int | None = None) -> dict:
     """Execute the point notebook for one point in a fresh kernel; return its results row.
 
-    The executed notebook goes to OUT/notebooks/, the point's record to OUT/records/ (both folders must exist).
+    The executed notebook goes to OUT/notebooks/ (the folder must exist); its record comes back in the row.
     `timeout`: seconds each cell may run (papermill's execution_timeout; the measurement is one cell); a point
     past it is a "failed" row, its kernel shut down.
     """
@@ -77,7 +77,7 @@ def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = N
 
     label = point_label(params)
     executed = out / "notebooks" / f"{label}.ipynb"
-    record_path = out / "records" / f"{label}.json"
+    record_path = out / "notebooks" / f"{label}.json"  # read into the row, then removed: OUT/records/ is the store's
     record_path.unlink(missing_ok=True)
     row = new_row(params, notebook=os.path.relpath(executed, out))
     clock = time.perf_counter()
@@ -90,6 +90,7 @@ def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = N
                                    cwd=str(PACKAGE_DIR.parent), extra_arguments=QUIET_KERNEL,
                                    execution_timeout=timeout)
         row.update(json.loads(record_path.read_text()), status="ok", error=None)
+        record_path.unlink()
     except TooBig as error:  # refused: no notebook was run
         row.update(status="too-big", error=str(error), notebook=None)
     except TimeoutError:  # nbclient's CellTimeoutError, raised by papermill's execution_timeout

@@ -1,9 +1,15 @@
-"""The results folder: one CSV row per point, resume from it, and a provenance log of every run.
+"""The results folder: each point's row kept on its own, the results table made from those rows, and a
+provenance log of every run.
 
-OUT/results.csv gets one row per point as soon as the point ends; OUT/provenance.json logs each run
-(command, machine, versions, commit, timing). Several writers may share a folder (two sweeps, the
-Ray driver and a local sweep): every read-modify-write holds a file lock (filelock), so none loses or
-duplicates another's row.
+OUT/records/<point_id>.json holds a point's row, saved as the point ends: written to a temporary file,
+synced to disk, then renamed over the old one, so a kill or a full disk leaves the old row or the new one,
+never half of one, and loses at most the point being saved. OUT/results.csv is the table of those rows,
+rewritten the same way from them after every row. The table is never trusted on its own: one that is torn,
+truncated or not a results table is set aside (renamed, with a one-line notice naming it) and remade from
+the records; a table from before the records held rows has its rows saved as records the first time it is
+read. OUT/provenance.json logs each run (command, machine, versions, commit, timing). Several writers may
+share a folder (two sweeps, the Ray driver and a local sweep): every write holds a file lock (filelock),
+so none loses or duplicates another's row.
 """
 
 from __future__ import annotations
@@ -14,6 +20,8 @@ import hashlib
 import io
 import json
 import os
+import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -33,6 +41,8 @@ RECORD_COLUMNS = [
 ]
 COLUMNS = SWEEP_COLUMNS + PARAMETER_COLUMNS + RECORD_COLUMNS
 STATUSES = ("ok", "oom", "too-big", "failed")
+# A point writes its executed notebook (tens of kB) and its row: a sweep refuses to start with less free.
+MIN_FREE_BYTES = 2**20
 
 
 def locked(path: str | os.PathLike) -> FileLock:
@@ -47,35 +57,130 @@ def locked(path: str | os.PathLike) -> FileLock:
     return FileLock(folder / (hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:16] + ".lock"))
 
 
-def _csv_line(row: dict, columns: list[str]) -> str:
-    buffer = io.StringIO()
-    csv.DictWriter(buffer, columns, extrasaction="ignore", lineterminator="\n").writerow(
-        {key: "" if row.get(key) is None else row[key] for key in columns})
-    return buffer.getvalue()
-
-
-def _read_rows(path: Path) -> tuple[list[str], list[dict]]:
-    if not path.exists() or path.stat().st_size == 0:
-        return [], []
-    with path.open(newline="") as handle:
-        reader = csv.DictReader(handle)
-        return list(reader.fieldnames or []), list(reader)
-
-
 def replace_text(path: str | os.PathLike, text: str) -> None:
-    """Replace the whole file at once (write a temporary file, then rename): a kill leaves old or new.
-    Callers hold `locked(path)` when they read the file first, so no other writer slips in between."""
+    """Replace the whole file at once and durably (a temporary file, synced, renamed, the folder synced):
+    a kill or a full disk leaves the old file or the new one. Callers hold `locked(path)`, so no other
+    writer shares the temporary file or slips in between their read and this write."""
     path = Path(path)
     temporary = path.with_name(path.name + ".tmp")
-    with temporary.open("w", newline="") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temporary, path)
+    try:
+        with temporary.open("w", newline="") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException as error:
+        temporary.unlink(missing_ok=True)
+        if isinstance(error, OSError):
+            error.filename = str(path)  # a failed write() names no file: name the one it was replacing
+        raise
+    folder = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(folder)  # the rename itself reaches the disk
+    finally:
+        os.close(folder)
 
 
-def _rewrite(path: Path, columns: list[str], kept: list[dict], added: list[dict]) -> None:
-    replace_text(path, "".join(_csv_line(r, columns) for r in [dict(zip(columns, columns)), *kept, *added]))
+def prepare_folder(out: str | os.PathLike) -> None:
+    """Make OUT's folders and check, before any point runs, that rows can be written there."""
+    out = Path(out)
+    try:
+        for folder in (out / "notebooks", out / "records"):
+            folder.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=out / "records").close()
+        free = shutil.disk_usage(out).free
+    except OSError as error:
+        where = f" ({error.filename})" if error.filename else ""
+        raise ValueError(f"cannot write results to {out}: {error.strerror or error}{where}") from None
+    if free < MIN_FREE_BYTES:
+        raise ValueError(f"cannot write results to {out}: {free // 1024} KiB free on its file system, "
+                         f"a point needs about {MIN_FREE_BYTES // 1024} KiB")
+
+
+def _table_rows(path: Path) -> tuple[list[dict], str | None]:
+    """A results table's rows, or why it is damaged: each line whole, with the header's number of fields,
+    a point id seen once and a known status."""
+    data = path.read_bytes() if path.exists() else b""
+    if not data:
+        return [], None
+    if not data.endswith(b"\n"):
+        return [], "its last line is cut off"
+    try:
+        reader = csv.reader(io.StringIO(data.decode(), newline=""))
+        header = next(reader)
+        if header[:2] != ["point_id", "status"]:
+            return [], "its first line is not a results header (point_id,status,...)"
+        rows = []
+        for fields in reader:
+            row = dict(zip(header, fields))
+            if len(fields) != len(header):
+                return [], f"line {reader.line_num} has {len(fields)} fields, the header {len(header)}"
+            if not row["point_id"] or row["status"] not in STATUSES:
+                return [], f"line {reader.line_num} has no point id or an unknown status {row['status']!r}"
+            rows.append(row)
+    except (UnicodeDecodeError, csv.Error) as error:
+        return [], f"it is not CSV text: {error}"
+    if len({row["point_id"] for row in rows}) < len(rows):
+        return [], "a point id appears twice"
+    return rows, None
+
+
+def _set_aside(path: Path, why: str, then: str) -> None:
+    """Rename a damaged file out of the way (kept, never adopted) and say so in one line."""
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    aside, n = path.with_name(f"{path.name}.damaged-{stamp}"), 1
+    while aside.exists():
+        aside, n = path.with_name(f"{path.name}.damaged-{stamp}-{n}"), n + 1
+    os.replace(path, aside)
+    print(f"kvlab: {path} is damaged ({why}); kept as {aside.name}; {then}", file=sys.stderr)
+
+
+def _saved_rows(records: Path) -> dict[str, dict]:
+    """The rows saved in OUT/records/, oldest first. Other JSON there (records of kvlab versions that kept
+    the notebook's record there) is left alone; a file that does not parse is set aside."""
+    rows = {}
+    paths = sorted(records.glob("*.json"), key=lambda p: (p.stat().st_mtime_ns, p.name)) if records.is_dir() else []
+    for path in paths:
+        try:
+            row = json.loads(path.read_text())
+        except ValueError as error:  # not JSON, not text: a torn copy or a hand edit
+            _set_aside(path, f"not JSON: {error}", "its row comes from the table if it has one, else its point reruns")
+            continue
+        if isinstance(row, dict) and row.get("point_id") and row.get("status") in STATUSES:
+            rows[row["point_id"]] = row
+    return rows
+
+
+def _save_row(records: Path, row: dict) -> None:
+    records.mkdir(exist_ok=True)
+    replace_text(records / f"{row['point_id']}.json", json.dumps(row, indent=1, default=str) + "\n")
+
+
+def _rows(path: Path) -> list[dict]:
+    """The folder's rows in the table's order, the table checked against the records (hold the lock)."""
+    records = path.parent / "records"
+    saved = _saved_rows(records)
+    table, damage = _table_rows(path)
+    if damage and not saved:
+        raise ValueError(f"{path} is damaged ({damage}) and {records} holds no rows to rebuild it from: "
+                         f"repair the file or move it away")
+    if damage:
+        _set_aside(path, damage, f"the table is rebuilt from {records}")
+    for row in table:  # a row only the table holds (saved before records held rows): saved as a record now
+        if row["point_id"] not in saved:
+            saved[row["point_id"]] = {key: None if value == "" else value for key, value in row.items()}
+            _save_row(records, saved[row["point_id"]])
+    in_table = {row["point_id"]: None for row in table}
+    return [saved[point] for point in [*in_table, *(point for point in saved if point not in in_table)]]
+
+
+def _write_table(path: Path, rows: list[dict], columns: list[str] = COLUMNS) -> None:
+    columns = list(dict.fromkeys([*columns, *(key for row in rows for key in row)]))
+    text = io.StringIO()
+    writer = csv.DictWriter(text, columns, lineterminator="\n")
+    writer.writeheader()
+    writer.writerows({key: "" if row.get(key) is None else row[key] for key in columns} for row in rows)
+    replace_text(path, text.getvalue())
 
 
 def replace_rows(path: str | os.PathLike, rows: list[dict], replaced, columns: list[str]) -> None:
@@ -83,42 +188,49 @@ def replace_rows(path: str | os.PathLike, rows: list[dict], replaced, columns: l
     the file's lock, the file replaced at once (the request stream, kvlab.encdec.stream, stores its rows so)."""
     path = Path(path)
     with locked(path):
-        _rewrite(path, columns, [row for row in _read_rows(path)[1] if not replaced(row)], rows)
+        kept = []
+        if path.exists():
+            with path.open(newline="") as handle:
+                kept = [row for row in csv.DictReader(handle) if not replaced(row)]
+        _write_table(path, kept + rows, columns)
 
 
 def append_row(path: str | os.PathLike, row: dict) -> None:
-    """Add one point's row; a rerun point replaces its earlier failure rows instead of duplicating them."""
+    """Save one point's row in the records beside `path` (a rerun point's row replaces its earlier one),
+    then rewrite the table `path` from the records."""
     path = Path(path)
     with locked(path):  # another writer's row lands before our read or after our write, never in between
-        columns, rows = _read_rows(path)
-        if not columns:
-            columns = list(COLUMNS)
-        extra = [key for key in row if key not in columns]
-        previous = [r for r in rows if r.get("point_id") == row["point_id"]]
-        if extra or previous or not path.exists():
-            _rewrite(path, columns + extra, [r for r in rows if r.get("point_id") != row["point_id"]], [row])
-            return
-        # One write() of the whole line on an O_APPEND file: a kill cannot leave half a row.
-        descriptor = os.open(path, os.O_WRONLY | os.O_APPEND)
-        try:
-            os.write(descriptor, _csv_line(row, columns).encode())
-            os.fsync(descriptor)
-        finally:
-            os.close(descriptor)
+        rows = [saved for saved in _rows(path) if saved["point_id"] != row["point_id"]]
+        _save_row(path.parent / "records", row)
+        _write_table(path, rows + [row])
+
+
+def rebuild(path: str | os.PathLike) -> list[dict]:
+    """Bring the table `path` in line with the records beside it (a damaged table set aside) and return
+    its rows. Every sweep does this at its start; `python -m kvlab sweep --out OUT --rebuild` does only this."""
+    path = Path(path)
+    with locked(path):
+        rows = _rows(path)
+        if rows:
+            _write_table(path, rows)
+        return rows
 
 
 def done_point_ids(path: str | os.PathLike) -> set[str]:
     """The points measured already (status "ok"): a rerun skips them, and retries every failure."""
-    with locked(path):
-        return {row["point_id"] for row in _read_rows(Path(path))[1] if row.get("status") == "ok"}
+    return {row["point_id"] for row in rebuild(path) if row["status"] == "ok"}
 
 
 def load_results(path: str | os.PathLike):
-    """A results CSV (or the folder that holds results.csv) as a pandas DataFrame, one row per point."""
+    """A results CSV (or the folder that holds results.csv) as a pandas DataFrame, one row per point;
+    a damaged file is refused, with the command that rebuilds it."""
     import pandas as pd
     path = Path(path)
     if path.is_dir():
         path = path / "results.csv"
+    if damage := _table_rows(path)[1]:
+        raise ValueError(f"{path} is damaged ({damage}); rebuild it from its records: "
+                         f"python -m kvlab sweep --out {path.parent} --rebuild")
     table = pd.read_csv(path, dtype={"error": "string", "overrides": "string", "notebook": "string"})
     return table.assign(overrides=table["overrides"].fillna(""))  # no overrides is "", as in a record
 

@@ -12,6 +12,7 @@ from .point import DEFAULTS
 from .engines import ENGINES, run_sweep
 from .grid import SWEEPS_DIR, expand, load_sweep, merge_grid_items, point_id, point_label, read_sweep, validate
 from .runner import POINT_NOTEBOOK
+from .store import rebuild
 
 DESCRIPTION = "Run a grid of experiment points with papermill: one fresh kernel per point, resumable, failures are rows."
 
@@ -31,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--point-timeout", type=int, default=None, metavar="SECONDS",
                         help="seconds a cell of a point's notebook may run; past it the point is a failed row "
                         "(default: the sweep file's point_timeout_s, else no limit)")
+    parser.add_argument("--rebuild", action="store_true",
+                        help="remake OUT/results.csv from the rows in OUT/records/ and stop (every sweep does this first)")
     ray = parser.add_argument_group("engine", "where the points run (the results folder is the same for both)")
     ray.add_argument("--engine", default="local", metavar="{" + ",".join(ENGINES) + "}",
                      help="local: one point after the other here (default); ray: a Ray task per point")
@@ -53,12 +56,6 @@ def main(argv=None) -> None:
             raise ValueError("--address, --num-cpus and --num-gpus are for --engine ray")
         fixed, grid = load_sweep(args.file) if args.file else ({}, {})
         fixed, grid = merge_grid_items(fixed, grid, args.grid)
-        if not args.file and not args.grid:
-            raise ValueError("give --file and/or --grid key=v1,v2,...")
-        if args.force:
-            grid.pop("force", None)
-            fixed["force"] = True
-        points = validate(expand(fixed, grid), devices_here=args.engine == "local")
         timeout = args.point_timeout
         if timeout is None and args.file:
             timeout = read_sweep(args.file).get("point_timeout_s")
@@ -66,6 +63,20 @@ def main(argv=None) -> None:
             raise ValueError(f"--point-timeout must be a positive number of seconds, got {timeout}")
         name = Path(args.file).stem if args.file else "sweep"
         out = Path(args.out or Path("results") / name)
+        if out.exists() and not out.is_dir():
+            raise ValueError(f"--out {out} is a file; give a folder for the results")
+        if args.rebuild:
+            if not out.is_dir():
+                raise ValueError(f"no results folder {out} to rebuild; give it with --out")
+            rows = rebuild(out / "results.csv")
+            print(f"{out / 'results.csv'}: {len(rows)} rows, from {out / 'records'}", file=sys.stderr)
+            return
+        if not args.file and not args.grid:
+            raise ValueError("give --file and/or --grid key=v1,v2,...")
+        if args.force:
+            grid.pop("force", None)
+            fixed["force"] = True
+        points = validate(expand(fixed, grid), devices_here=args.engine == "local")
         if args.dry_run:
             for params in points:
                 print(point_id(params), point_label(params))
@@ -78,6 +89,11 @@ def main(argv=None) -> None:
                   engine=args.engine, point_timeout=timeout, **(engine_options if args.engine == "ray" else {}))
     except ValueError as error:
         print(f"kvlab sweep: error: {error}", file=sys.stderr)
+        sys.exit(2)
+    except OSError as error:  # the file system: full, read-only, a file where a folder is wanted
+        where = f" ({error.filename})" if error.filename else ""
+        print(f"kvlab sweep: error: {error.strerror or error}{where}; the rows saved so far are kept: "
+              f"fix that and rerun the same command to resume", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:  # the rows written so far stay valid: a rerun resumes
         print("kvlab sweep: interrupted; rerun the same command to resume", file=sys.stderr)
