@@ -158,7 +158,6 @@ class MemoryMeter:
             raise ValueError("without CUDA the only meter is the live-storage counter")
         self.weights = 0  # the baseline on every device (see MemoryReport)
         if model is not None:
-            from .models import weight_bytes
             self.weights = weight_bytes(model)
         self.counter = LiveStorageCounter() if self.track_storages else None
         self.labels: dict[int, str] = {}  # storage serial -> category
@@ -240,3 +239,14 @@ class MemoryMeter:
                                 reserved, self.timeline, at_peak, storages_peak)
         return MemoryReport(str(self.device), "live-storages", self.baseline,
                             self.baseline + self.counter.peak_bytes, None, self.timeline, at_peak)
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of parameters and buffers, each storage counted once (tied embeddings share one)."""
+    seen, total = set(), 0
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        storage = tensor.untyped_storage()
+        if storage._cdata not in seen:
+            seen.add(storage._cdata)
+            total += storage.nbytes()
+    return total

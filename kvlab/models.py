@@ -349,17 +349,6 @@ def build_model(preset: str = "toy", overrides=None, device: str = "cpu", dtype:
     return model.eval()
 
 
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameters and buffers, each storage counted once (tied embeddings share one)."""
-    seen, total = set(), 0
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        storage = tensor.untyped_storage()
-        if storage._cdata not in seen:
-            seen.add(storage._cdata)
-            total += storage.nbytes()
-    return total
-
-
 def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kvlab.meter import MemoryMeter
-from kvlab.models import weight_bytes
+from kvlab.meter import weight_bytes
 
 F32 = 4
 

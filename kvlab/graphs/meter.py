@@ -16,7 +16,7 @@ import torch
 from torch.profiler import record_function
 
 from ..meter import MemoryMeter, MemoryReport, StepMemory
-from ..models import weight_bytes
+from ..meter import weight_bytes
 from ..profiler import ProfiledAllocations
 
 STEP_MARK = "kvlab.step"

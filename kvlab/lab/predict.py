@@ -3,7 +3,7 @@
     python -m kvlab predict --preset llama2-7b --dtype bfloat16 --batch 8 --prompt 300 --new 500 --memory 24GiB
 
 The weights are counted from the config by building the model on the meta device (shapes, no data), so
-tied embeddings and buffers count exactly as in `models.weight_bytes`. `measure` and `sweep` call
+tied embeddings and buffers count exactly as in `meter.weight_bytes`. `measure` and `sweep` call
 `check_fits` to refuse a point whose predicted peak exceeds the free memory of its device.
 """
 
@@ -16,7 +16,8 @@ import re
 import torch
 
 from .. import theory
-from ..models import DECODERS, instantiate, is_hub_id, load_config, parse_dtype, weight_bytes
+from ..meter import weight_bytes
+from ..models import DECODERS, instantiate, is_hub_id, load_config, parse_dtype
 from .point import beams
 
 GIB = 2**30
