@@ -58,10 +58,11 @@ def test_tuple_loop_peak_holds_the_old_tuple_and_the_new_cache(toy):
     ids = torch.randint(0, 1000, (BATCH, PROMPT), generator=torch.Generator().manual_seed(0))
     run = lambda: generate(toy, ids, NEW, cache="tuple", loop="v4.40")
     explanation = explain(run)
-    # The last step feeds token PROMPT + NEW - 2: the old tuple holds one token less than the new cache.
-    old = held_by(explanation, r"generate: kv\[(\d)\]\[(\d)\]")
-    new = held_by(explanation, r"generate: step_cache\.layers\[(\d)\]\.(keys|values)")
-    assert sorted(old) == [(str(layer), str(j)) for layer in range(LAYERS) for j in (0, 1)]
+    # The last step feeds token PROMPT + NEW - 2: the old tuple (the loop's `kv`, a TupleCache whose layers hold
+    # the caller's tensors) holds one token less than the new cache its round trip builds.
+    old = held_by(explanation, r"generate: kv\.layers\[(\d)\]\.(keys|values)")
+    new = held_by(explanation, r"TupleCache\.round_trip: step_cache\.layers\[(\d)\]\.(keys|values)")
+    assert sorted(old) == sorted((str(layer), kind) for layer in range(LAYERS) for kind in ("keys", "values"))
     assert set(old.values()) == {kv_tensor_bytes(PROMPT + NEW - 2)}
     assert sorted(new) == sorted((str(layer), kind) for layer in range(LAYERS) for kind in ("keys", "values"))
     assert set(new.values()) == {kv_tensor_bytes(PROMPT + NEW - 1)}
@@ -70,7 +71,7 @@ def test_tuple_loop_peak_holds_the_old_tuple_and_the_new_cache(toy):
     with torch.inference_mode(), MemoryMeter("cpu") as meter:
         run()
     assert explanation.peak_bytes == meter.report().overhead_bytes
-    assert "generate: kv[i][i]" in explanation.format()
+    assert "generate: kv.layers[i].keys" in explanation.format()
 
 
 def test_one_cache_object_holds_one_cache(toy):
@@ -84,7 +85,7 @@ def test_one_cache_object_holds_one_cache(toy):
     assert cache.pop((str(LAYERS - 1), "values")) == old
     assert set(cache.values()) == {new} and len(cache) == 2 * LAYERS - 1
     assert held_by(explanation, r"aten\.cat\.default: (out)") == {("out",): new}
-    assert not held_by(explanation, r"generate: .*kv\[\d\]\[\d\]")
+    assert not held_by(explanation, r".*step_cache.*")
 
 
 def test_release_4_40_1_generate_holds_two_caches():
