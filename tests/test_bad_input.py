@@ -62,12 +62,12 @@ def cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["stream", "encdec-cpu", "--override", "num_layers=0"], "num_layers must be a positive integer, got 0"),
         # stream files, folders and devices
         (["stream", "encdec-cpu", "--device", "meta"], "choose one of: cpu, cuda, auto"),
-        (["stream", str(tmp)], "not a readable YAML stream file ([Errno 21] Is a directory"),
-        (["stream", str(tmp / "torn.yaml")], "torn.yaml: not a readable YAML stream file"),
+        (["stream", str(tmp)], "is a folder; give a stream file (YAML)"),
+        (["stream", str(tmp / "torn.yaml")], "torn.yaml is not valid YAML (line 2"),
         (["stream", str(tmp / "list.yaml")], "a stream file is a mapping of settings"),
-        (["stream", "encdec-cpu", "--out", str(tmp / "torn.json")], "is a file; give a results folder"),
-        (["stream", "encdec-cpu", "--out", str(tmp / "torn.json" / "below")], "cannot make this folder"),
-    ] + ([(["stream", "encdec-cpu", "--out", str(tmp / "read-only" / "below")], "cannot make this folder")]
+        (["stream", "encdec-cpu", "--out", str(tmp / "torn.json")], "is a file; give a folder for the results"),
+        (["stream", "encdec-cpu", "--out", str(tmp / "torn.json" / "below")], "below: Not a directory"),
+    ] + ([(["stream", "encdec-cpu", "--out", str(tmp / "read-only" / "below")], "below: Permission denied")]
          if os.geteuid() else []) + (  # root writes anywhere
         [] if torch.cuda.is_available() else [(["measure", "--device", "cuda"], "no CUDA GPU is available"),
                                               (["stream", "encdec-cpu", "--device", "cuda"], "no CUDA GPU")])

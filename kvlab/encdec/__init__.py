@@ -1,13 +1,5 @@
-"""Encoder–decoder models: requests, and one greedy decoding loop (the presets are in kvlab.models).
-
-An encoder–decoder model runs its encoder once per request; every decoder step then attends to its
-own past tokens (the self-attention cache, growing by one token a step) and to the encoder output
-(the cross-attention cache, filled at the first step and only read afterwards). transformers holds the
-two in an `EncoderDecoderCache(self_attention_cache, cross_attention_cache)`.
-
-`generate` is that loop written out, so that a cache can be handed in and metered; its tokens equal
-transformers' own `model.generate()` for greedy decoding (tests/test_encdec.py checks it).
-"""
+"""Encoder–decoder models: requests, and `generate`, greedy decoding written out so that a cache can be handed
+in and metered (its tokens equal `model.generate()`'s). Presets in kvlab.models; docs/encoder-decoder.md."""
 
 from __future__ import annotations
 
@@ -19,6 +11,7 @@ from transformers import DynamicCache, EncoderDecoderCache
 from transformers.modeling_outputs import BaseModelOutput
 
 from ..compat import cache_argument
+from ..loops import Generation  # here `tokens` holds the new tokens only, [batch, new_tokens]
 
 
 def decoder_shape(config) -> tuple[int, int, int]:
@@ -29,26 +22,16 @@ def decoder_shape(config) -> tuple[int, int, int]:
 
 
 def is_whisper(model_or_config) -> bool:
-    config = getattr(model_or_config, "config", model_or_config)
-    return config.model_type == "whisper"
-
-
-def max_encoder_length(config) -> int | None:
-    """The one encoder length transformers' Whisper accepts (30 s of audio, padded); None: any length."""
-    return config.max_source_positions if is_whisper(config) else None
+    return getattr(model_or_config, "config", model_or_config).model_type == "whisper"
 
 
 @dataclass
 class Request:
-    """One request: `batch` sequences, an encoder output of `encoder_length` positions (the longest row's).
-
-    T5 / BART: token ids, right-padded to the longest with a mask. Whisper: mel features of a 30 s window;
-    a shorter encoder length keeps the first positions of the encoder output (as whisper.cpp's `audio_ctx`
-    runs the encoder on a shorter window: transformers' encoder refuses anything but 30 s).
-    """
+    """`batch` sequences, an encoder output of `encoder_length` positions (the longest row's). Whisper: a 30 s
+    window of mel features (transformers' encoder takes no other), its output cut to `encoder_length`."""
 
     batch: int
-    encoder_length: int  # the longest in the batch
+    encoder_length: int
     inputs: dict  # keyword arguments of the model's encoder
 
 
@@ -56,9 +39,8 @@ def make_request(model, batch: int, encoder_length: int, seed: int = 0, ragged: 
     """A request of random tokens (or mel features); `ragged`: rows of different lengths, padded and masked."""
     if batch < 1 or encoder_length < 1:
         raise ValueError(f"batch and encoder_length must be positive integers, got {batch} and {encoder_length}")
-    config = model.config
+    config, device = model.config, model.device
     generator = torch.Generator().manual_seed(seed)
-    device = model.device
     if is_whisper(config):
         if encoder_length > config.max_source_positions:
             raise ValueError(f"Whisper's encoder gives at most {config.max_source_positions} positions (30 s); "
@@ -78,22 +60,15 @@ def make_request(model, batch: int, encoder_length: int, seed: int = 0, ragged: 
 
 def encode(model, request: Request) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(encoder hidden states [batch, length, d_model], encoder mask or None): run once per request."""
-    inputs = dict(request.inputs)
-    mask = inputs.get("attention_mask")
-    hidden = model.get_encoder()(**inputs).last_hidden_state
+    hidden = model.get_encoder()(**request.inputs).last_hidden_state
     if is_whisper(model):
         hidden = hidden[:, :request.encoder_length]
-    return hidden, mask
+    return hidden, request.inputs.get("attention_mask")
 
 
 def generate_reference(model, request: Request, new_tokens: int, whole_output: bool = False, **generate_kwargs):
-    """transformers' own `model.generate()`, greedy, `new_tokens` steps: the tokens every kvlab loop must equal.
-
-    whole_output: generate()'s own output instead (`return_dict_in_generate`: its sequences, with the decoder
-    start token, and the cache it used), e.g. for `cache_implementation="static"`.
-    Whisper: its own `generate()` adds language / task / timestamp logic on top of the shared loop; the
-    shared loop (`GenerationMixin.generate`) is called with the encoder output, as Whisper's does.
-    """
+    """transformers' own `generate()`, greedy, `new_tokens` steps (`whole_output`: its output with the cache).
+    Whisper: the shared `GenerationMixin.generate`, without Whisper's language / timestamp logic."""
     options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, num_beams=1,
                    return_dict_in_generate=whole_output, **generate_kwargs)
     if is_whisper(model):
@@ -107,36 +82,19 @@ def generate_reference(model, request: Request, new_tokens: int, whole_output: b
     return out if whole_output else out[:, 1:]
 
 
-@dataclass
-class Generation:
-    tokens: torch.Tensor  # [batch, new_tokens], the decoder start token excluded
-    cache: EncoderDecoderCache
-    seconds: float
-
-
-def dynamic_cache() -> EncoderDecoderCache:
-    """What `generate()` builds by default: two growing caches (every step a `torch.cat`)."""
-    return EncoderDecoderCache(DynamicCache(), DynamicCache())
-
-
 def generate(model, request: Request, new_tokens: int, cache=None, *, step=None, meter=None,
              encoder_output=None) -> Generation:
-    """Greedy decoding: the encoder once, then `new_tokens` decoder steps through one `EncoderDecoderCache`.
-
-    cache: an `EncoderDecoderCache` (default: a dynamic one), or an object with `for_request(batch,
-        encoder_output, encoder_mask, new_tokens)` returning (cache, encoder output, encoder mask), such as
-        `kvlab.encdec.reusable_cache.ReusableStaticCache` (which may pad the encoder output to its own length).
-    step: the decoder forward for steps after the first, `step(model, tokens, hidden, mask, cache) -> logits`
-        (e.g. a `torch.compile`d `decoder_step`); the first step (which fills the cross-attention cache) is eager.
-    encoder_output: (hidden, mask) already computed, to skip the encoder.
-    """
+    """Greedy decoding: the encoder once (unless `encoder_output`, (hidden, mask), is given), then `new_tokens`
+    decoder steps through one `EncoderDecoderCache` (default: two `DynamicCache`s, as `generate()`), or through
+    what `cache.for_request(batch, hidden, mask, new_tokens)` hands out (`ReusableStaticCache`). `step`: the
+    forward after the first step, which fills the cross-attention cache eagerly (e.g. a compiled `decoder_step`)."""
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be a positive integer, got {new_tokens}")
     started = time.perf_counter()
     with torch.no_grad():
         hidden, mask = encoder_output if encoder_output is not None else encode(model, request)
         if cache is None:
-            cache = dynamic_cache()
+            cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
         elif hasattr(cache, "for_request"):
             cache, hidden, mask = cache.for_request(request.batch, hidden, mask, new_tokens)
         if meter is not None:
@@ -145,8 +103,7 @@ def generate(model, request: Request, new_tokens: int, cache=None, *, step=None,
                             device=hidden.device)
         generated = []
         for index in range(new_tokens):
-            forward = decoder_step if step is None or index == 0 else step
-            logits = forward(model, tokens, hidden, mask, cache)
+            logits = (decoder_step if step is None or index == 0 else step)(model, tokens, hidden, mask, cache)
             tokens = logits.argmax(-1, keepdim=True)
             generated.append(tokens)
             del logits

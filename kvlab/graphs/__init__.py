@@ -1,22 +1,9 @@
-"""Decoding through a graph: how the KV cache crosses the boundary of a traced or exported decoder.
-
-transformers issue #31962 asked to keep tuple caches because `torch.jit.trace` (and optimum-intel/IPEX
-on top of it) accepts only tensors, tuples and dicts as inputs. transformers 5.x has no tuple path at
-all; the supported route to a graph is `torch.export` with a static cache. The runtimes here:
-
-- jit-trace: the decoder traced with `torch.jit.trace` through `TupleStep`, a wrapper that takes and
-             returns the cache as flat tuples of tensors (what tracing users did). The caller holds the
-             old tuple while the graph builds the new one: the <= 4.41 pattern, ~2 x KV.
-- convert:   eager decoding that builds a `DynamicCache` from tuples before every forward and goes back
-             to tuples after it (the maintainers' answer in #31962). In 5.x building the object copies
-             the whole cache (`DynamicLayer.update` concatenates onto an empty tensor); going back
-             returns views.
-- export:    `torch.export` of transformers' own `TorchExportableModuleWithStaticCache`
-             (transformers.integrations.executorch): the static cache is a set of buffers of the
-             program, updated in place (`index_copy_`), one program for the prompt and every step.
-- eager:     kvlab's own loop (kvlab.loops) with any cache design, `dynamic` and `prealloc` as references.
-
-Every runtime decodes greedily as transformers 5.x's `generate()` does and gives its exact tokens.
+"""Decoding through a graph: how the KV cache crosses the boundary of a traced or exported decoder
+(transformers issue #31962; docs/graphs.md). Runtimes: `jit-trace` (`torch.jit.trace` of `TupleStep`, the
+cache as flat tuples: the caller holds the old tuple while the graph builds the new one), `convert` (tuples to a
+`DynamicCache` and back around every eager forward, a copy each time in 5.x), `export` (`torch.export` of
+transformers' `TorchExportableModuleWithStaticCache`, buffers updated in place), `eager` (kvlab.loops). Each
+decodes greedily as 5.x's `generate()` does and gives its exact tokens.
 """
 
 from __future__ import annotations
@@ -32,25 +19,19 @@ from transformers.utils import logging as hf_logging
 from ..caches import TupleCache, num_layers
 from ..compat import cache_argument
 from .conversion import to_cache, to_tuples
-from ..loops import Generation
+from ..loops import Generation, check_choice, generate
 from ..lab.timing import interleaved, median
 
 # runtime -> the cache designs it can carry (the first is its default).
-RUNTIMES = {
-    "eager": ("dynamic", "tuple", "list", "static", "prealloc"),
-    "jit-trace": ("tuple",),
-    "convert": ("dynamic",),
-    "export": ("static",),
-}
-# The runtimes whose inside the live-storage counter cannot see (TorchScript runs its ops in C++; an
-# exported program is measured the same way so the two graphs share one meter).
+RUNTIMES = {"eager": ("dynamic", "tuple", "list", "static", "prealloc"), "jit-trace": ("tuple",),
+            "convert": ("dynamic",), "export": ("static",)}
+# Metered by the profiler: the counter cannot see inside TorchScript (C++ ops); export shares the graphs' meter.
 GRAPH_RUNTIMES = ("jit-trace", "export")
 
 
 def check_runtime(runtime: str, cache: str | None = None, loop: str = "v5", strategy: str = "greedy") -> None:
     """Refuse a runtime that does not exist or cannot carry this cache, loop or strategy; one line each."""
-    if runtime not in RUNTIMES:
-        raise ValueError(f"unknown runtime {runtime!r}; choose one of: {', '.join(RUNTIMES)}")
+    check_choice("runtime", runtime, RUNTIMES)
     if runtime == "eager":
         return
     designs = RUNTIMES[runtime]
@@ -67,9 +48,8 @@ def check_runtime(runtime: str, cache: str | None = None, loop: str = "v5", stra
 
 
 class TupleStep(torch.nn.Module):
-    """One forward with the cache as flat tensors: (input_ids, position_ids, k0, v0, k1, v1, ...) ->
-    (next-token logits, new k0, v0, ...). Only tensors cross, so `torch.jit.trace` accepts it; inside, the
-    tuple design's round trip (`kvlab.caches.TupleCache`) wraps the given tensors without copying."""
+    """One forward, the cache as flat tensors (what `torch.jit.trace` accepts): (input_ids, position_ids, k0, v0,
+    ...) -> (next-token logits, new k0, v0, ...); inside, `kvlab.caches.TupleCache` wraps them without copying."""
 
     def __init__(self, model):
         super().__init__()
@@ -101,19 +81,15 @@ def _positions(rows: int, start: int, stop: int, device) -> torch.Tensor:
 
 def build_graphs(model, input_ids: torch.Tensor, new_tokens: int, runtime: str, trace: bool = True) -> Graphs:
     """Trace or export `model` for decoding `new_tokens` after `input_ids` (their shapes, not values).
-
-    `trace=False` (jit-trace only) keeps the untraced `TupleStep`: the same ops run eagerly, which the
-    live-storage counter can see; tests set the two side by side.
-    """
+    `trace=False` (jit-trace): the untraced `TupleStep`, the same ops run eagerly, seen by the live-storage counter."""
     check_runtime(runtime)
     if runtime in ("eager", "convert"):
         return Graphs(runtime)
     start = time.perf_counter()
     graphs = Graphs(runtime, max_cache_len=input_ids.shape[1] + new_tokens - 1, batch=input_ids.shape[0])
     verbosity = hf_logging.get_verbosity()
-    # Tracing warns at every Python branch on a tensor's value or shape it freezes (the mask shortcuts);
-    # which branches are taken is pinned by the token tests at other lengths. It also reads every
-    # attribute of the model, and transformers logs a line when `loss_function` is read.
+    # Tracing warns at every Python branch it freezes (the mask shortcuts; the token tests at other lengths pin
+    # them) and reads every attribute of the model (transformers logs a line when `loss_function` is read).
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         hf_logging.set_verbosity_error()
@@ -144,8 +120,7 @@ def _trace(step: TupleStep, input_ids):
 
 
 def _export(model, input_ids, max_cache_len):
-    """transformers' exportable static-cache module, exported once with a dynamic sequence length so
-    one program runs the prompt and every step."""
+    """transformers' exportable static-cache module, exported with a dynamic length: one program, every step."""
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
     config = model.generation_config
     before = config.cache_implementation
@@ -164,17 +139,13 @@ def _export(model, input_ids, max_cache_len):
     return program.module()
 
 
-def cache_buffers(module) -> list[tuple[str, torch.Tensor]]:
-    """The exported program's cache state: keys, values and each layer's length counter."""
-    return [(name, buffer) for name, buffer in module.named_buffers()
-            if name.split(".")[-1].startswith(("key_cache_", "value_cache_", "cumulative_length_"))]
-
-
 def _fresh_cache_buffers(module) -> list[torch.Tensor]:
-    """Allocate the program's cache buffers anew (zeroed), as a runtime does when it loads the program:
-    inside the caller's meter, so the overhead includes the preallocation."""
+    """Allocate the program's cache state (keys, values, each layer's length counter) anew, zeroed, as a
+    runtime does when it loads the program: inside the caller's meter, so the overhead includes it."""
     fresh = []
-    for name, buffer in cache_buffers(module):
+    for name, buffer in list(module.named_buffers()):
+        if not name.split(".")[-1].startswith(("key_cache_", "value_cache_", "cumulative_length_")):
+            continue
         owner, _, attribute = name.rpartition(".")
         tensor = torch.zeros_like(buffer)
         (module.get_submodule(owner) if owner else module).register_buffer(attribute, tensor, persistent=False)
@@ -184,11 +155,8 @@ def _fresh_cache_buffers(module) -> list[torch.Tensor]:
 
 def generate_graph(model, input_ids: torch.Tensor, new_tokens: int, runtime: str, graphs: Graphs | None = None,
                    meter=None) -> Generation:
-    """Greedy decoding of `new_tokens` tokens through `runtime` (not `eager`: see kvlab.loops).
-
-    As 5.x's `generate()` loop: the next-token logits are an fp32 copy held until the next step's
-    forward returns. `graphs` from `build_graphs` (built here, unmetered, if not given).
-    """
+    """Greedy decoding of `new_tokens` tokens through `runtime` (not `eager`: kvlab.loops), as 5.x's loop: the next
+    token's logits an fp32 copy held until the next forward returns. `graphs`: built here, unmetered, if not given."""
     check_runtime(runtime)
     if runtime == "eager":
         raise ValueError("runtime 'eager' decodes with kvlab.loops.generate")
@@ -202,8 +170,7 @@ def generate_graph(model, input_ids: torch.Tensor, new_tokens: int, runtime: str
         # Past the end of an exported static cache the write would go out of bounds: refuse instead.
         raise ValueError(f"graphs built for runtime {graphs.runtime}, batch {graphs.batch}, {graphs.max_cache_len} "
                          f"cached tokens cannot decode {runtime}, batch {rows}, prompt {prompt} + {new_tokens} new")
-    device = input_ids.device
-    tokens = input_ids
+    device, tokens = input_ids.device, input_ids
     flat, past = (), None
     if runtime == "export":
         kv = _fresh_cache_buffers(graphs.prefill)
@@ -216,12 +183,10 @@ def generate_graph(model, input_ids: torch.Tensor, new_tokens: int, runtime: str
             cached = tokens.shape[1] - fed.shape[1]
             positions = _positions(rows, cached, tokens.shape[1], device)
             if runtime == "jit-trace":
-                graph = graphs.decode if step else graphs.prefill
-                out = graph(fed, positions, *flat)  # the old tuple is alive until this returns
+                out = (graphs.decode if step else graphs.prefill)(fed, positions, *flat)  # old tuple alive till here
                 next_logits = out[0].to(copy=True, dtype=torch.float32)
-                flat = out[1:]  # the old tuple dies here
+                flat = kv = out[1:]  # the old tuple dies here
                 del out
-                kv = flat
             elif runtime == "convert":
                 # The maintainers' suggestion: tuples -> cache object -> forward -> tuples. 5.x's
                 # DynamicCache copies the tuples it is given, while the caller still holds them.
@@ -229,9 +194,8 @@ def generate_graph(model, input_ids: torch.Tensor, new_tokens: int, runtime: str
                 outputs = model(input_ids=fed, position_ids=positions, use_cache=True, logits_to_keep=1,
                                 **{cache_argument(model): cache})
                 next_logits = outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32)
-                past = to_tuples(cache)  # views: no copy
+                past = kv = to_tuples(cache)  # views: no copy
                 del cache, outputs
-                kv = past
             else:
                 logits = graphs.prefill(input_ids=fed, cache_position=torch.arange(cached, tokens.shape[1],
                                                                                     device=device))
@@ -244,8 +208,7 @@ def generate_graph(model, input_ids: torch.Tensor, new_tokens: int, runtime: str
                 meter.step()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    seconds = time.perf_counter() - start
-    return Generation(tokens, kv, seconds)
+    return Generation(tokens, kv, time.perf_counter() - start)
 
 
 # The comparison of notebook 06: (runtime, cache), the eager references first.
@@ -257,21 +220,17 @@ def decode_variant(model, input_ids, new_tokens, runtime, cache, graphs=None, me
     """One greedy decode of a variant: kvlab's v5 loop for `eager`, a graph runtime otherwise."""
     check_runtime(runtime, cache)
     if runtime == "eager":
-        from ..loops import generate
         return generate(model, input_ids, new_tokens, cache=cache, loop="v5", meter=meter)
     return generate_graph(model, input_ids, new_tokens, runtime, graphs, meter=meter)
 
 
 def time_variants(model, input_ids, new_tokens, variants=VARIANTS, repeats: int = 3, every: bool = False) -> dict:
-    """Median seconds per decode of each variant, unmetered, the variants interleaved `repeats` times
-    (a slow moment of a shared machine hits all alike); graphs are built once, before any timing.
-    `every=True` returns each variant's seconds of every repeat instead, in the order they ran."""
+    """Median seconds per decode of each variant (`every=True`: the seconds of every repeat, in order), unmetered,
+    interleaved `repeats` times (kvlab.lab.timing); graphs are built once, before any timing."""
     graphs = {variant: build_graphs(model, input_ids, new_tokens, variant[0]) for variant in variants}
     # Warm-up with a few tokens: TorchScript's profiling executor optimises a graph on its first runs.
     seconds = interleaved(
         {v: (lambda v=v: decode_variant(model, input_ids, new_tokens, *v, graphs[v]).seconds) for v in variants},
         repeats, warmup={v: (lambda v=v: decode_variant(model, input_ids, min(new_tokens, 3), *v, graphs[v]))
                          for v in variants})
-    if every:
-        return seconds
-    return {variant: median(times) for variant, times in seconds.items()}
+    return seconds if every else {variant: median(times) for variant, times in seconds.items()}

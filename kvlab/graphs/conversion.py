@@ -1,22 +1,19 @@
 """What converting a KV cache between tuples and transformers' cache object costs, in memory and time.
 
-transformers <= 4.41 wrapped a tuple in a cache object without copying (`from_legacy_cache`). 5.x has
-no such method; the way in is `DynamicCache(ddp_cache_data=tuples)`, whose first `DynamicLayer.update`
-concatenates each tensor onto an empty one: a full copy of the cache, made while the caller still holds
-the tuples. The way out, `(layer.keys, layer.values)`, returns the stored tensors: views, no copy.
+In 5.x the way in, `DynamicCache(ddp_cache_data=tuples)`, copies every tensor (its first `DynamicLayer.update`
+concatenates onto an empty one) while the caller still holds the tuples; the way out, `(layer.keys,
+layer.values)`, returns the stored tensors: views, no copy. (<= 4.41 wrapped tuples without copying.)
 """
 
 from __future__ import annotations
 
 import statistics
-import time
+import timeit
 
 import torch
 from transformers.cache_utils import DynamicCache
 
 from ..meter import MemoryMeter
-
-MIB = 2**20
 
 
 def random_tuples(layers: int, batch: int, kv_heads: int, length: int, head_dim: int, dtype=torch.float32):
@@ -35,49 +32,32 @@ def to_tuples(cache) -> tuple:
     return tuple((layer.keys, layer.values) for layer in cache.layers)
 
 
-def _timed(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        result = fn()
-        times.append(time.perf_counter() - start)
-        del result
-    return statistics.median(times)
-
-
 def conversion_cost(tuples, repeats: int = 5) -> dict:
     """Bytes allocated (peak, counted by the live-storage meter) and median seconds of each direction."""
     cache_bytes = sum(t.untyped_storage().nbytes() for pair in tuples for t in pair)
-    with MemoryMeter("cpu") as meter:
+    with MemoryMeter("cpu") as into:
         cache = to_cache(tuples)
-    into_peak = meter.report().peak_bytes
-    copies = all(a.data_ptr() != b.data_ptr() for pair, layer in zip(tuples, cache.layers)
-                 for a, b in zip(pair, (layer.keys, layer.values)))
-    with MemoryMeter("cpu") as meter:
+    with MemoryMeter("cpu") as out:
         back = to_tuples(cache)
-    out_peak = meter.report().peak_bytes
-    views = all(a.data_ptr() == b.data_ptr() for pair, layer in zip(back, cache.layers)
-                for a, b in zip(pair, (layer.keys, layer.values)))
-    del cache, back
-    into = _timed(lambda: to_cache(tuples), repeats)
-    cache = to_cache(tuples)
-    out = _timed(lambda: to_tuples(cache), repeats)
+    stored = [(layer.keys, layer.values) for layer in cache.layers]
+    copies = all(a.data_ptr() != b.data_ptr() for pair, kept in zip(tuples, stored) for a, b in zip(pair, kept))
+    views = all(a.data_ptr() == b.data_ptr() for pair, kept in zip(back, stored) for a, b in zip(pair, kept))
+    seconds = {name: statistics.median(timeit.repeat(convert, number=1, repeat=repeats))
+               for name, convert in (("to_cache", lambda: to_cache(tuples)), ("to_tuples", lambda: to_tuples(cache)))}
     gib = cache_bytes / 2**30
-    return dict(cache_bytes=cache_bytes, to_cache_peak_bytes=into_peak, to_cache_copies=copies,
-                to_cache_seconds=into, to_cache_seconds_per_gib=into / gib,
-                to_tuples_peak_bytes=out_peak, to_tuples_views=views,
-                to_tuples_seconds=out, to_tuples_seconds_per_gib=out / gib)
+    return dict(cache_bytes=cache_bytes, to_cache_peak_bytes=into.report().peak_bytes, to_cache_copies=copies,
+                to_cache_seconds=seconds["to_cache"], to_cache_seconds_per_gib=seconds["to_cache"] / gib,
+                to_tuples_peak_bytes=out.report().peak_bytes, to_tuples_views=views,
+                to_tuples_seconds=seconds["to_tuples"], to_tuples_seconds_per_gib=seconds["to_tuples"] / gib)
 
 
 def conversion_table(sizes_mib=(16, 64, 256), layers: int = 32, batch: int = 8, kv_heads: int = 32,
                      head_dim: int = 4, dtype=torch.float32, repeats: int = 5):
     """`conversion_cost` for caches of about `sizes_mib` MiB (the sequence length sets the size), as rows."""
+    per_token = 2 * layers * batch * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
     rows = []
-    element = torch.empty((), dtype=dtype).element_size()
-    per_token = 2 * layers * batch * kv_heads * head_dim * element
     for size in sizes_mib:
-        length = max(1, round(size * MIB / per_token))
-        tuples = random_tuples(layers, batch, kv_heads, length, head_dim, dtype)
-        rows.append(dict(tokens=length, **conversion_cost(tuples, repeats)))
-        del tuples
+        length = max(1, round(size * 2**20 / per_token))
+        rows.append(dict(tokens=length, **conversion_cost(random_tuples(layers, batch, kv_heads, length, head_dim,
+                                                                        dtype), repeats)))
     return rows

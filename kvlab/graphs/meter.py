@@ -1,13 +1,9 @@
 """A memory meter for decoders run as graphs, with `kvlab.meter.MemoryMeter`'s interface.
 
-The live-storage counter (kvlab.meter) sees the outputs of aten ops dispatched from Python; a
-TorchScript module runs its ops in C++ where no dispatch mode reaches. On CPU this meter reads
-PyTorch's profiler instead: every allocation and free of c10's CPU allocator, in time order, as
-`kvlab.profiler.ProfiledAllocations` reads them (only blocks allocated inside the region count), with a
-marker event at the end of each decoding step for the per-step timeline. On CUDA it is the
-allocator's own counters (`MemoryMeter` with `track_storages=False`), graph or not.
-
-It does not split the peak into kv / logits / other: the profiler knows addresses, not tensors.
+The live-storage counter (kvlab.meter) cannot see inside TorchScript, which runs its ops in C++. On CPU this
+meter reads PyTorch's profiler instead (`kvlab.profiler.ProfiledAllocations`: every allocation and free of
+c10's CPU allocator inside the region), cut into steps at a marker event; on CUDA it is the allocator's own
+counters. It gives no kv / logits / other split: the profiler knows addresses, not tensors.
 """
 
 from __future__ import annotations
@@ -15,8 +11,7 @@ from __future__ import annotations
 import torch
 from torch.profiler import record_function
 
-from ..meter import MemoryMeter, MemoryReport, StepMemory
-from ..meter import weight_bytes
+from ..meter import MemoryMeter, MemoryReport, StepMemory, weight_bytes
 from ..profiler import ProfiledAllocations
 
 STEP_MARK = "kvlab.step"
@@ -25,11 +20,8 @@ STEP_MARK = "kvlab.step"
 class ProfilerMeter:
     """`with ProfilerMeter(model) as meter: ...; meter.step() ...` then `meter.report()` (CPU only)."""
 
-    method = "profiler"
-
     def __init__(self, model: torch.nn.Module | None = None):
         self.weights = weight_bytes(model) if model is not None else 0
-        self.steps = 0
         self._report: MemoryReport | None = None
 
     def __enter__(self):
@@ -37,9 +29,9 @@ class ProfilerMeter:
         return self
 
     def step(self):
-        """Close one decoding step (a marker in the profile; the numbers are read at the end)."""
+        """Close one decoding step: a marker in the profile (the numbers are read at the end)."""
         with record_function(STEP_MARK):
-            self.steps += 1
+            pass
 
     def label(self, tensors, category: str):
         """Accepted for MemoryMeter's interface; the profiler cannot tell which tensor a block is."""
@@ -47,26 +39,21 @@ class ProfilerMeter:
     def __exit__(self, *exc):
         allocations, self._allocations = self._allocations, None
         allocations.__exit__(*exc)
-        self._report = self._make_report(allocations)
-        return False
-
-    def _make_report(self, allocations: ProfiledAllocations) -> MemoryReport:
-        """The per-step timeline: the region's allocations (kvlab.profiler's rules) cut at the step marks."""
-        marks = allocations.marks
+        # The timeline: the allocator's events and the step marks in time order (an event before a mark at
+        # the same time); each mark closes a step with the live bytes then and the peak since the last mark.
         live = step_peak = 0
         timeline: list[StepMemory] = []
-        for time, (_, nbytes) in zip(allocations.times, allocations.events):
-            while len(timeline) < len(marks) and marks[len(timeline)] < time:
+        events = [(time, False, nbytes) for time, (_, nbytes) in zip(allocations.times, allocations.events)]
+        for _, is_mark, nbytes in sorted(events + [(time, True, 0) for time in allocations.marks], key=lambda e: e[:2]):
+            if is_mark:
                 timeline.append(StepMemory(len(timeline), live, step_peak))
                 step_peak = live
-            live += nbytes
-            step_peak = max(step_peak, live)
-        while len(timeline) < len(marks):
-            timeline.append(StepMemory(len(timeline), live, step_peak))
-            step_peak = live
-        at_peak = {"weights": self.weights}  # no kv / logits / other: see the module docstring
-        return MemoryReport("cpu", self.method, self.weights, self.weights + allocations.peak_bytes, None, timeline,
-                            at_peak)
+            else:
+                live += nbytes
+                step_peak = max(step_peak, live)
+        self._report = MemoryReport("cpu", "profiler", self.weights, self.weights + allocations.peak_bytes, None,
+                                    timeline, {"weights": self.weights})
+        return False
 
     def report(self) -> MemoryReport:
         if self._report is None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from ..caches import CACHES
 from ..loops import LOOPS, STRATEGIES
@@ -127,8 +128,15 @@ def cmd_sweep(args) -> None:
 
 
 def cmd_stream(args) -> None:
-    from ..encdec.stream import serve
-    serve(args, command=" ".join(["python -m kvlab", *args.argv]))
+    from ..encdec.stream import load_stream, run
+    overrides = ",".join(args.override) if args.override else ("" if args.preset else None)
+    settings = load_stream(args.stream, preset=args.preset, overrides=overrides, modes=args.modes, count=args.count,
+                           device=args.device, compile_backend=args.compile_backend)
+    out = Path(args.out or Path("results") / settings["name"])
+    run(settings, out, command=" ".join(["python -m kvlab", *args.argv]))
+    count, modes = settings["count"], len(settings["modes"])
+    print(f"{out / 'results.csv'}: {count} request{'s' * (count != 1)} x {modes} mode{'s' * (modes != 1)}",
+          file=sys.stderr)
 
 
 def _stream_arguments(parser: argparse.ArgumentParser) -> None:

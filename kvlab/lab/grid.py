@@ -14,11 +14,9 @@ import json
 import os
 from pathlib import Path
 
-import yaml
-
 from .point import DEFAULTS, is_true, normalize
 from ..models import parse_value
-from .shipped import shipped_or_path
+from .shipped import read_yaml, shipped_or_path
 
 SWEEPS_DIR = Path(__file__).resolve().parent / "sweeps"
 
@@ -41,16 +39,7 @@ def sweep_file(name: str | os.PathLike) -> Path:
 def read_sweep(path: str | os.PathLike) -> dict:
     """A YAML sweep file's sections, checked; a folder, or a file that is not YAML, is one line naming it."""
     path = sweep_file(path)
-    if path.is_dir():
-        raise ValueError(f"{path} is a folder; give a sweep file (YAML)")
-    try:
-        spec = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" (line {mark.line + 1}: {error.problem})" if mark else ""
-        raise ValueError(f"{path} is not valid YAML{where}") from None
-    except UnicodeDecodeError:
-        raise ValueError(f"{path} is not a text file; give a sweep file (YAML)") from None
+    spec = read_yaml(path, "sweep")
     if not isinstance(spec, dict) or set(spec) - {"fixed", "grid", "description", "point_timeout_s"}:
         raise ValueError(f"{path}: a sweep file has the sections fixed, grid (and description, point_timeout_s)")
     timeout = spec.get("point_timeout_s")

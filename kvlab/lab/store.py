@@ -81,13 +81,15 @@ def replace_text(path: str | os.PathLike, text: str) -> None:
         os.close(folder)
 
 
-def prepare_folder(out: str | os.PathLike) -> None:
-    """Make OUT's folders and check, before any point runs, that rows can be written there."""
+def prepare_folder(out: str | os.PathLike, folders=("notebooks", "records")) -> None:
+    """Make OUT and its `folders` and check, before anything runs, that rows can be written there."""
     out = Path(out)
+    if out.is_file():
+        raise ValueError(f"{out} is a file; give a folder for the results")
     try:
-        for folder in (out / "notebooks", out / "records"):
+        for folder in [out / name for name in folders] or [out]:
             folder.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=out / "records").close()
+            tempfile.TemporaryFile(dir=folder).close()
         free = shutil.disk_usage(out).free
     except OSError as error:
         where = f" ({error.filename})" if error.filename else ""

@@ -1,9 +1,5 @@
-"""How a notebook reaches its reader: the public repository, the "Open in Colab" badge, the Colab setup
-cell, and the Jupyter kernel the notebooks name.
-
-REPOSITORY is the one place that says where the project lives; every badge and setup cell is generated
-from it (`python -m kvlab.notebook stamp notebooks/*.ipynb`) and tests/test_notebooks.py checks they agree.
-"""
+"""How a notebook reaches its reader: the public repository (REPOSITORY, the one place that says where the
+project lives), the "Open in Colab" badge and Colab setup cell made from it, and the kernel the notebooks name."""
 
 from __future__ import annotations
 
@@ -12,12 +8,10 @@ import re
 REPOSITORY = "https://github.com/kvlab/kvlab"   # the public repository: change it here only, then re-stamp
 BRANCH = "main"
 
-# `make lab` registers the project's virtual environment under this name (never `python3`, which would
-# shadow the user's default kernel) and every notebook names it in its metadata.
+# `make lab` registers the project's environment under this name (never `python3`: the user's default kernel).
 KERNEL = {"name": "kvlab", "display_name": "Python 3 (kvlab)", "language": "python"}
 FALLBACK_KERNEL = "python3"   # jupyter_client's native kernel: the Python running papermill
-# The kernel's own log lines (unencrypted TCP on localhost, shutdown) go to our terminal, not the notebook;
-# errors still reach the notebook and the results row. Every papermill call passes these.
+# Every papermill call passes these: the kernel's own log lines (localhost TCP, shutdown) would reach our terminal.
 QUIET_KERNEL = ["--IPKernelApp.log_level=CRITICAL"]
 
 BADGE_IMAGE = "https://colab.research.google.com/assets/colab-badge.svg"
@@ -38,10 +32,8 @@ def badge(notebook: str) -> str:
     return f"[![Open In Colab]({BADGE_IMAGE})]({colab_url(notebook)})"
 
 
-# Runs first in every notebook. In Colab it clones the repository (the notebooks read ../data, which no
-# package carries), installs kvlab with its runtime dependencies while a constraint pins Colab's own torch,
-# and moves into notebooks/ so relative paths resolve as they do in a checkout. KVLAB_REPOSITORY lets the
-# Colab emulation test point the clone at a local checkout. Anywhere else the cell does nothing.
+# The first code cell of every notebook; in Colab it clones the repository (for ../data), installs kvlab beside
+# Colab's own torch and moves into notebooks/. KVLAB_REPOSITORY: the Colab emulation test's local checkout.
 SETUP_CELL = f'''\
 # Setup. In Colab: fetch kvlab with its data, install it beside Colab's own torch, work from notebooks/.
 # Anywhere else this cell does nothing: run the notebook from the project's environment (`make lab`).

@@ -1,8 +1,5 @@
-"""Small helpers the notebooks share: device choice, a bytes-written counter, tables and figures.
-
-Everything here is presentation or bookkeeping around `kvlab.lab.point` / `kvlab.meter`; the
-measurements themselves come from those modules.
-"""
+"""Small helpers the notebooks share: a bytes-written counter, tables and figures (the measurements themselves
+come from kvlab.lab.point and kvlab.meter)."""
 
 from __future__ import annotations
 
@@ -14,22 +11,16 @@ from matplotlib.ticker import MaxNLocator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from ..models import resolve_device  # noqa: F401  (the notebooks import it from here)
-
 MIB = 2**20
 CATEGORY_COLORS = {"weights": "tab:gray", "kv": "tab:blue", "logits": "tab:orange", "other": "tab:green"}
-
-
-# -- counting bytes written ------------------------------------------------------------------------
 NO_WRITE = ("empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like")
 
 
 class BytesWritten(TorchDispatchMode):
-    """Sum of the bytes every aten op writes while active.
+    """Sum of the bytes every aten op writes while active (our own: torch's counters count flops, not bytes).
 
-    An op's output is either a fresh tensor (written in full: `cat`, `clone`, `index_select`), an
-    input it modified in place (`copy_`, `add_`, `out=`: the bytes of that tensor or view are
-    written), or a view (`slice`, `view`: nothing is written). The op's schema says which.
+    An op's output is a fresh tensor (written in full: `cat`, `clone`), an input it modified in place (`copy_`,
+    `out=`: that tensor's or view's bytes) or a view (`slice`: nothing written); the op's schema says which.
     """
 
     def __init__(self):
@@ -41,15 +32,10 @@ class BytesWritten(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket.__name__ in NO_WRITE:
             return out
-        written = 0
         outputs = out if isinstance(out, (tuple, list)) else (out,)
-        for ret, value in zip(func._schema.returns, outputs):
-            alias = ret.alias_info
-            if alias is not None and not alias.is_write:
-                continue  # a view: no bytes move
-            for leaf in tree_leaves(value):
-                if isinstance(leaf, torch.Tensor):
-                    written += leaf.numel() * leaf.element_size()
+        written = sum(leaf.numel() * leaf.element_size() for ret, value in zip(func._schema.returns, outputs)
+                      if ret.alias_info is None or ret.alias_info.is_write  # else a view: no bytes move
+                      for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
         if written:
             self.bytes += written
             name = func.overloadpacket.__name__
@@ -57,15 +43,13 @@ class BytesWritten(TorchDispatchMode):
         return out
 
 
-# -- tables ------------------------------------------------------------------------------------------
 def summary_table(records: list[dict], extra: tuple[str, ...] = ()) -> pd.DataFrame:
     """The record fields a reader needs, bytes shown in MiB, one row per measured point (speed only for
     points that were timed: `timing=False` leaves `tokens_per_s` empty)."""
     df = pd.DataFrame(records)
-    table = pd.DataFrame({key: df[key] for key in ("cache", "loop", *extra) if key in df})
-    table["KV_MiB"] = (df["kv_final_bytes"] / MIB).round(2)
-    table["peak_above_weights_MiB"] = (df["overhead_bytes"] / MIB).round(2)
-    table["peak/KV"] = df["overhead_over_kv"].round(3)
+    table = df[[key for key in ("cache", "loop", *extra) if key in df]].assign(
+        KV_MiB=(df["kv_final_bytes"] / MIB).round(2), peak_above_weights_MiB=(df["overhead_bytes"] / MIB).round(2),
+        **{"peak/KV": df["overhead_over_kv"].round(3)})
     if df["tokens_per_s"].notna().any():
         table["tokens/s (unmetered)"] = pd.to_numeric(df["tokens_per_s"]).round(1)
     return table
@@ -77,7 +61,6 @@ def step_peaks(reports: dict, step: int) -> pd.Series:
                      name=f"peak in step {step} (MiB)")
 
 
-# -- figures -----------------------------------------------------------------------------------------
 def set_theme():
     """One look for every notebook's figures (seaborn's whitegrid, tab10 colours)."""
     sns.set_theme(style="whitegrid", palette="tab10", context="notebook", font_scale=0.85)
@@ -93,11 +76,9 @@ def device_label(device: str) -> str:
 def plot_timelines(reports: dict, kv_bytes: int | None = None, title: str = "", ncols: int | None = None,
                    ylabel: str = "memory above the weights (MiB)", kv_label: str = "final KV",
                    xlabel: str = "decoding step (0 = the prompt's forward)", multiples=(1, 2)):
-    """One panel per design: live bytes at each step's end and the peak inside the step (MiB), y from zero.
-
-    `kv_bytes` draws reference lines at `multiples` of that size, labelled `kv_label` in the legend and
-    drawn over the data, so a line that sits on a reference is seen to do so.
-    """
+    """One panel per design: live bytes at each step's end and the peak inside the step (MiB), y from zero;
+    `kv_bytes`: black lines at `multiples` of it, over the data, so a line on a reference is seen to be.
+    matplotlib, not seaborn's relplot: the series differ in marker and width; one legend holds the references."""
     names = list(reports)
     ncols = ncols or min(len(names), 4)
     nrows = -(-len(names) // ncols)
@@ -114,8 +95,7 @@ def plot_timelines(reports: dict, kv_bytes: int | None = None, title: str = "", 
             ax.axhline(multiple * kv_bytes / MIB, color="black", linestyle=styles.get(multiple, ":"), linewidth=1,
                        zorder=4, label=f"{multiple}x {kv_label}")
         ax.set_title(name, fontsize=10)
-        ax.set_xlabel(xlabel)
-        ax.set_ylim(bottom=0)
+        ax.set(xlabel=xlabel, ylim=(0, None))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     for ax in axes[:, 0]:
         ax.set_ylabel(ylabel)
@@ -130,20 +110,15 @@ def plot_timelines(reports: dict, kv_bytes: int | None = None, title: str = "", 
 
 
 def plot_at_peak(reports: dict, title: str = "", include_weights: bool = False):
-    """Stacked horizontal bars: what was live at each design's peak, by category (MiB)."""
+    """Stacked horizontal bars (pandas): what was live at each design's peak, by category (MiB)."""
     categories = ["weights", "kv", "logits", "other"] if include_weights else ["kv", "logits", "other"]
     df = pd.DataFrame({name: {c: report.at_peak.get(c, 0) / MIB for c in categories}
                        for name, report in reports.items()}).T
-    fig, ax = plt.subplots(figsize=(8, 0.5 * len(df) + 1.4))
-    left = pd.Series(0.0, index=df.index)
-    for category in categories:
-        ax.barh(df.index, df[category], left=left, color=CATEGORY_COLORS[category], label=category)
-        left += df[category]
+    ax = df.plot.barh(stacked=True, color=CATEGORY_COLORS, width=0.8, figsize=(8, 0.5 * len(df) + 1.4))
     ax.invert_yaxis()
-    ax.set_xlabel("bytes live at the peak (MiB)" + ("" if include_weights else ", weights excluded"))
-    ax.set_ylabel("cache / loop")
+    ax.set(xlabel="bytes live at the peak (MiB)" + ("" if include_weights else ", weights excluded"),
+           ylabel="cache / loop")
+    ax.set_title(title, fontsize=10)
     ax.legend(loc="lower right", fontsize=8)
-    if title:
-        ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    return fig, df.round(3)
+    ax.figure.tight_layout()
+    return ax.figure, df.round(3)

@@ -1,10 +1,5 @@
-"""The figures: the PR's benchmark plots redrawn from a results table, and the main job's bars.
-
-Each function takes the table `kvlab.lab.store.load_results` returns (one row per point) and returns a
-Figure or a DataFrame. Measurements are solid lines, `kvlab.theory`'s prediction thin black dashes over them,
-and the final KV cache (1x and 2x) in grey: the tuple cache of v4.40 should sit on 2x, the
-one-object designs near 1x.
-"""
+"""The figures: the PR's benchmark plots redrawn from a results table (`kvlab.lab.store.load_results`), the main
+job's bars, and notebook 07's stream modes. Measured: solid lines; kvlab.theory: thin black dashes over them."""
 
 from __future__ import annotations
 
@@ -73,61 +68,45 @@ def varying_sizes(df: pd.DataFrame) -> list[str]:
     return found
 
 
-def unit_of(values) -> tuple[int, str]:
-    """GiB for GPU-sized numbers, MiB otherwise."""
-    return (GIB, "GiB") if max(values, default=0) >= 2 * GIB else (MIB, "MiB")
-
-
-def _title(rows: pd.DataFrame, vary: str) -> str:
-    first = rows.iloc[0]
-    fixed = ", ".join(f"{AXIS_NAMES[size].split(' (')[0]} {first[size]}" for size in SIZES if size != vary)
-    return f"Peak above the weights against {AXIS_NAMES[vary]}: {first['preset']} {first['dtype']} on {first['device']}, {fixed}"
-
-
 def overhead_figure(df: pd.DataFrame, vary: str = "new", title: str = ""):
     """Peak memory above the weights against one size, for every design: measured (solid, markers) and
-    predicted by kvlab.theory (dashed, drawn over the data), with 1x and 2x the final KV in black. Both axes
-    start at zero, so twice the memory looks twice as high."""
+    predicted by kvlab.theory (dashed, drawn over the data), with 1x and 2x the final KV in grey (the tuple cache
+    of v4.40 should sit on 2x, the one-object designs near 1x). Both axes start at zero, so twice the memory
+    looks twice as high. matplotlib, not seaborn: hollow markers shrinking design by design keep coinciding lines
+    visible."""
     rows = series(measured(df), vary)
     presets = list(dict.fromkeys(rows["preset"]))
-    scale, unit = unit_of(pd.concat([rows["overhead_bytes"], 2 * rows["kv_final_bytes"]]))
+    scale, unit = (GIB, "GiB") if max(rows["overhead_bytes"].max(), 2 * rows["kv_final_bytes"].max()) >= 2 * GIB \
+        else (MIB, "MiB")
     designs = [d for d in DESIGNS if d in set(rows["design"])] + sorted(set(rows["design"]) - set(DESIGNS))
     colours = dict(zip(designs, sns.color_palette("tab10", len(designs))))
     fig, axes = plt.subplots(1, len(presets), figsize=(6.5 * len(presets) + 2, 4.5), squeeze=False)
     for ax, preset in zip(axes[0], presets):
         part = rows[rows["preset"] == preset]
-        for design in designs:
+        for i, design in enumerate(designs):
             line = part[part["design"] == design]
             if line.empty:
                 continue
             # Designs often coincide (tuple / v4.42 on tuple / v4.40): hollow, shrinking markers keep each visible.
-            ax.plot(line[vary], line["overhead_bytes"] / scale, "-", marker=MARKERS[designs.index(design) % len(MARKERS)],
-                    markersize=10 - designs.index(design), fillstyle="none", markeredgewidth=1.5,
-                    color=colours[design], label=design)
-        for design in designs:  # the prediction over the measurements, so a hidden line cannot hide a miss
-            line = part[part["design"] == design]
-            if not line.empty and line["predicted_overhead_bytes"].fillna(0).gt(0).any():
-                ax.plot(line[vary], line["predicted_overhead_bytes"] / scale, "--", color="black",
-                        linewidth=0.8, zorder=4)
+            ax.plot(line[vary], line["overhead_bytes"] / scale, "-", marker=MARKERS[i % len(MARKERS)],
+                    markersize=10 - i, fillstyle="none", markeredgewidth=1.5, color=colours[design], label=design)
+            if line["predicted_overhead_bytes"].fillna(0).gt(0).any():  # over the data: a hidden line hides no miss
+                ax.plot(line[vary], line["predicted_overhead_bytes"] / scale, "--", color="black", linewidth=0.8,
+                        zorder=4)
         kv = part.groupby(vary)["kv_final_bytes"].first() / scale
         for multiple, style in ((1, ":"), (2, "-.")):
             ax.plot(kv.index, multiple * kv.values, style, color="grey", linewidth=1.5, zorder=5,
                     label=f"{multiple} x final KV")
-        ax.set_xlim(left=0)
-        ax.set_ylim(bottom=0)
-        ax.set_xlabel(AXIS_NAMES[vary])
-        ax.set_ylabel(f"peak memory above the weights ({unit})")
-        ax.set_title(title or _title(part, vary), fontsize=10)
+        ax.set(xlim=(0, None), ylim=(0, None), xlabel=AXIS_NAMES[vary],
+               ylabel=f"peak memory above the weights ({unit})")
+        first = part.iloc[0]
+        fixed = ", ".join(f"{AXIS_NAMES[size].split(' (')[0]} {first[size]}" for size in SIZES if size != vary)
+        ax.set_title(title or f"Peak above the weights against {AXIS_NAMES[vary]}: {first['preset']} {first['dtype']} "
+                     f"on {first['device']}, {fixed}", fontsize=10)
     axes[0][-1].plot([], [], "--", color="black", linewidth=0.8, label="kvlab.theory, per design")
     axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     return fig
-
-
-def _factors(row) -> tuple[float, float]:
-    arguments = dict(batch=int(row["batch"]), prompt=int(row["prompt"]), new=int(row["new"]), dtype=row["dtype"])
-    minimal, maximal = theory.improvement_factors(_config(row), **arguments)
-    return minimal, maximal
 
 
 def improvement_table(df: pd.DataFrame, vary: str = "new") -> pd.DataFrame:
@@ -140,7 +119,9 @@ def improvement_table(df: pd.DataFrame, vary: str = "new") -> pd.DataFrame:
     table = (before / after).dropna().rename("measured").reset_index()
     if table.empty:
         raise ValueError("the table needs both tuple/v4.40 and dynamic/v4.42 points")
-    table[["minimal", "maximal"]] = table.apply(_factors, axis=1, result_type="expand")
+    table[["minimal", "maximal"]] = table.apply(lambda row: theory.improvement_factors(
+        _config(row), batch=int(row["batch"]), prompt=int(row["prompt"]), new=int(row["new"]), dtype=row["dtype"]),
+        axis=1, result_type="expand")
     return table.round({"measured": 3, "minimal": 3, "maximal": 3})
 
 
@@ -166,9 +147,7 @@ def improvement_figure(df: pd.DataFrame, sizes=SIZES, title: str = ""):
             ax.plot(part[vary], part["maximal"], "--", color="tab:green", label=f"kvlab.theory maximal{label}")
             ax.plot(part[vary], part["minimal"], "--", color="tab:red", label=f"kvlab.theory minimal{label}")
             ax.plot(part[vary], part["measured"], "o-", color="tab:blue", zorder=4, label=f"measured{label}")
-        ax.set_ylim(1, 2.1)
-        ax.set_xlim(left=0)
-        ax.set_xlabel(AXIS_NAMES[vary])
+        ax.set(ylim=(1, 2.1), xlim=(0, None), xlabel=AXIS_NAMES[vary])
         first = table.iloc[0]
         ax.set_title(", ".join(f"{AXIS_NAMES[k].split(' (')[0]} {first[k]}" for k in SIZES if k != vary), fontsize=9)
     axes[0][0].set_ylabel("peak of tuple / v4.40 ÷ peak of dynamic / v4.42 (x)")
@@ -196,33 +175,29 @@ def compare_figure(df: pd.DataFrame):
         ax.text(multiple * kv, 0.01, f" {multiple}x KV", ha="left", va="bottom", color="grey", fontsize=8,
                 transform=ax.get_xaxis_transform())
     first = df.iloc[0]
-    ax.set_xlabel("peak memory above the weights (MiB)")
-    ax.set_ylabel("cache / loop")
-    ax.set_title(f"{first['preset']} {first['dtype']} on {first['device']}: batch {first['batch']}, "
+    ax.set(xlabel="peak memory above the weights (MiB)", ylabel="cache / loop",
+           title=f"{first['preset']} {first['dtype']} on {first['device']}: batch {first['batch']}, "
                  f"prompt {first['prompt']}, {first['new']} new tokens")
     ax.legend(loc="lower right")
     fig.tight_layout()
     return fig
 
 
-# -- the request streams of notebook 07 (kvlab.encdec.stream's modes) ------------------------------------
-# One colour, marker and dash per mode, in request_stream.MODES' order in every figure.
-MODE_COLORS = {"hf-static": "tab:red", "reused": "tab:blue", "reused-max": "tab:purple", "dynamic": "tab:green"}
-MODE_MARKERS = {"hf-static": "o", "reused": "s", "reused-max": "^", "dynamic": "D"}
-MODE_DASHES = {"hf-static": "", "reused": (5, 3), "reused-max": (1, 2), "dynamic": (3, 1, 1, 1)}
+# Notebook 07's stream modes (kvlab.encdec.stream.MODES): one colour, marker and dash each, in every figure.
+MODE_STYLES = {"hf-static": ("tab:red", "o", None), "reused": ("tab:blue", "s", (5, 3)),
+               "reused-max": ("tab:purple", "^", (1, 2)), "dynamic": ("tab:green", "D", (3, 1, 1, 1))}
 
 
 def mode_lines(ax, df: pd.DataFrame, x: str, y: str, modes=None):
-    """One line per stream mode of `df` (column `mode`), in request_stream.MODES' order: its colour, dash and
-    a hollow marker that shrinks from mode to mode, so that modes whose lines coincide all stay visible."""
-    from ..encdec.stream import MODES
-
-    present = [mode for mode in (modes or MODES) if mode in set(df["mode"])]
+    """One line per stream mode of `df` (column `mode`), in MODES' order: its colour, dash and a hollow marker
+    that shrinks from mode to mode, so that modes whose lines coincide all stay visible."""
+    present = [mode for mode in (modes or MODE_STYLES) if mode in set(df["mode"])]
     for i, mode in enumerate(present):
         line = df[df["mode"] == mode].sort_values(x)
-        dashes = {"dashes": MODE_DASHES[mode]} if MODE_DASHES[mode] else {"linestyle": "-"}
-        ax.plot(line[x], line[y], color=MODE_COLORS[mode], marker=MODE_MARKERS[mode], markersize=11 - 2 * i,
-                fillstyle="none", markeredgewidth=1.5, linewidth=1.5, label=mode, **dashes)
+        color, marker, dashes = MODE_STYLES[mode]
+        style = {"dashes": dashes} if dashes else {"linestyle": "-"}
+        ax.plot(line[x], line[y], color=color, marker=marker, markersize=11 - 2 * i, fillstyle="none",
+                markeredgewidth=1.5, linewidth=1.5, label=mode, **style)
     ax.set_xlabel(x)
     ax.legend(title="mode", loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
     return ax
