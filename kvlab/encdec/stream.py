@@ -116,7 +116,7 @@ def predicted_cache_bytes(config, dtype: str, mode: str, batch: int, encoder_len
 # -- measuring -----------------------------------------------------------------------------------
 class AllocationCounter(LiveStorageCounter):
     """kvlab's live-storage counter (peak) that also keeps the size of every storage it sees made: above 256
-    bytes the same, in number and size, as PyTorch's profiler (tests/test_encdec_stream.py)."""
+    bytes the same, in number and size, as PyTorch's profiler (tests/infra/test_encdec_stream.py)."""
 
     def __init__(self):
         super().__init__()

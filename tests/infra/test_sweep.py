@@ -21,7 +21,7 @@ from kvlab.lab.store import COLUMNS, done_point_ids, load_results
 from kvlab.lab import sweep_cli
 from kvlab.lab.point import DEFAULTS
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(preset="toy", overrides="num_hidden_layers=1", batch=1, prompt=8, new=4, device="cpu")
 # vocab_size 10**12 asks the allocator for ~1 PB for the embedding: a real out-of-memory, at once
 # (with force=True; without it the point is refused before it runs, as predicted not to fit).

@@ -19,7 +19,7 @@ import transformers
 from kvlab.lab.grid import expand, load_sweep, read_sweep, validate
 from kvlab.lab.point import DESIGNS, REFERENCES
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "gpu" / "run.sh"
 STAND_INS = ["preset=toy", "device=cpu", "dtype=float32", "batch=2", "prompt=16", "new=8"]
 

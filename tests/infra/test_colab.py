@@ -22,7 +22,7 @@ import pytest
 from kvlab.notebook.colab import QUIET_KERNEL, SETUP_TAG
 from kvlab.notebook.tools import declared_parameters
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 # Colab's kernel has google.colab imported before the first cell; this one does the same.
 KERNEL_START = "import google.colab; from ipykernel.kernelapp import launch_new_instance; launch_new_instance()"
@@ -50,7 +50,7 @@ def colab(tmp_path_factory):
     fake = base / "fake"
     (fake / "google" / "colab").mkdir(parents=True)
     (fake / "google" / "__init__.py").write_text("")
-    (fake / "google" / "colab" / "__init__.py").write_text('"""Stands in for Colab\'s module in tests/test_colab.py."""\n')
+    (fake / "google" / "colab" / "__init__.py").write_text('"""Stands in for Colab\'s module in tests/infra/test_colab.py."""\n')
     kernel_dir = base / "jupyter" / "kernels" / "colab"
     kernel_dir.mkdir(parents=True)
     (kernel_dir / "kernel.json").write_text(json.dumps({

@@ -15,7 +15,7 @@ import pytest
 
 from kvlab.lab.store import COLUMNS, load_results
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WRITERS, POINTS = 4, 25
 
 # One writer: for each of its points a failure row, then the ok row that replaces it (a whole-file rewrite),
