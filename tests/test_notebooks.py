@@ -40,7 +40,6 @@ def tiny_parameters(path: Path, tmp_path: Path) -> dict:
     return parameters
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_notebook_executes_with_tiny_parameters(path, tmp_path, monkeypatch):
     papermill = pytest.importorskip("papermill")
