@@ -129,15 +129,6 @@ def normalize(**params) -> dict:
     return p
 
 
-def make_prompt(vocab_size: int, p: dict) -> torch.Tensor:
-    """Seeded token ids drawn on the CPU (the same on every device); on meta, shapes only, so that counting a
-    point far beyond this machine's memory allocates nothing real."""
-    shape = (p["batch"], p["prompt"])
-    if torch.device(p["device"]).type == "meta":
-        return torch.empty(shape, dtype=torch.long, device="meta")
-    return torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(p["seed"])).to(p["device"])
-
-
 def beams(p: dict) -> int:
     """Sequences decoded per prompt: num_beams for beam search, one otherwise."""
     return p["num_beams"] if p["strategy"] == "beam" else 1
@@ -156,12 +147,24 @@ def measure(model=None, **params):
     if not p["force"]:  # refuse a point predicted not to fit, before allocating anything
         from .predict import check_fits
         check_fits(p, model if p["kind"] == "kvlab" else None)
-    if p["kind"] == "reference":
-        return _measure_reference(p), None
+    if p["kind"] == "reference":  # the release's own generate() in a subprocess (kvlab.lab.reference), the same meter
+        from .reference import REFERENCE_KEYS, measure_reference
+        version, implementation = REFERENCES[(p["cache"], p["loop"])]
+        real = measure_reference(version, cache_implementation=implementation, **{key: p[key] for key in REFERENCE_KEYS})
+        # Provenance of this process, with the versions the subprocess really ran.
+        origin = dict(provenance(p["device"]), transformers_version=real["transformers_version"],
+                      torch_version=real["torch_version"])
+        return _record(p, load_config(p["preset"], p["overrides"]), real, None, origin), None
     if model is None:
         from ..models import build_model
         model = build_model(p["preset"], p["overrides"], p["device"], p["dtype"], p["seed"])
-    prompt = make_prompt(model.config.vocab_size, p)
+    # Seeded token ids drawn on the CPU (the same on every device); on meta, shapes only, so that counting a
+    # point far beyond this machine's memory allocates nothing real.
+    if torch.device(p["device"]).type == "meta":
+        prompt = torch.empty((p["batch"], p["prompt"]), dtype=torch.long, device="meta")
+    else:
+        prompt = torch.randint(0, model.config.vocab_size, (p["batch"], p["prompt"]),
+                               generator=torch.Generator().manual_seed(p["seed"])).to(p["device"])
     options = dict(cache=p["cache"], loop=p["loop"], strategy=p["strategy"], num_beams=p["num_beams"],
                    sampling=Sampling(temperature=0.7, top_k=50, top_p=0.9, seed=p["seed"]),
                    cache_options=dict(chunk_limit=p["chunk_limit"], block_tokens=p["block_tokens"],
@@ -204,17 +207,6 @@ def _record(p: dict, config, measured: dict, seconds: float | None, origin: dict
                   tokens_per_s=round(p["batch"] * (p["new"] + p["restart_new"]) / seconds, 2) if seconds else None)
     return dict({key: p[key] for key in RECORD_PARAMETERS}, num_beams=beams(p),
                 **{key: values.get(key) for key in RECORD_FIELDS})
-
-
-def _measure_reference(p: dict) -> dict:
-    """The release's own generate() at this point (kvlab.lab.reference: a subprocess, the same meter)."""
-    from .reference import REFERENCE_KEYS, measure_reference
-    version, implementation = REFERENCES[(p["cache"], p["loop"])]
-    real = measure_reference(version, cache_implementation=implementation, **{key: p[key] for key in REFERENCE_KEYS})
-    # Provenance of this process, with the versions the subprocess really ran.
-    origin = dict(provenance(p["device"]), transformers_version=real["transformers_version"],
-                  torch_version=real["torch_version"])
-    return _record(p, load_config(p["preset"], p["overrides"]), real, None, origin)
 
 
 def _decode(model, prompt, p, options, meter, graphs=None) -> float:
