@@ -1,9 +1,7 @@
-"""The results folder. OUT/records/<point_id>.json holds a point's row, saved as the point ends and replaced at
-once (a kill or a full disk loses at most the point being saved). OUT/results.csv, the table of those rows, is
-rewritten from them after every row and never trusted on its own: one that is damaged is set aside (named in
-one line) and remade from the records; one from before the records held rows has its rows saved as records.
-OUT/provenance.json logs each run. Several writers may share a folder (two sweeps, the Ray driver and a local
-sweep): every write holds a file lock, so none loses or duplicates another's row.
+"""The results folder: OUT/records/<point_id>.json, each point's row, saved whole as the point ends; OUT/results.csv,
+the table remade from them after every row (a damaged one set aside and rebuilt, one from before the records had
+its rows saved as records); OUT/provenance.json, a log of every run. Every write holds a file lock, so writers
+sharing a folder (two sweeps, the Ray driver and a local sweep) never lose or duplicate each other's rows.
 """
 
 from __future__ import annotations
