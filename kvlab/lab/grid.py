@@ -104,11 +104,9 @@ def points_of(points_or_grid, fixed: dict | None = None) -> list[dict]:
 
 
 def validate(points: list[dict], *, devices_here: bool = True) -> list[dict]:
-    """Every point normalized (defaults filled, choices checked) before anything runs, each once.
-
-    `devices_here=False` (the Ray engine): CUDA points run on other machines, so a driver without a GPU
-    checks them as CPU points (what runs on CUDA runs on a CPU) and keeps `cuda`, with CUDA's defaults.
-    """
+    """Every point normalized (defaults filled, choices checked) before anything runs, each once. With
+    `devices_here=False` (the Ray engine: CUDA points run elsewhere), a driver without a GPU checks CUDA points as
+    CPU points (what runs on CUDA runs on a CPU) and keeps `cuda`, with CUDA's defaults."""
     if not points:
         raise ValueError("the sweep has no points")
     checked = []
