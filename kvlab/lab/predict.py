@@ -115,11 +115,8 @@ def format_prediction(result: dict) -> str:
 
 
 def check_fits(p: dict, model=None) -> None:
-    """Raise TooBig when a normalized point's predicted peak exceeds the free memory of its device.
-
-    With `model` given its weights are already resident, so only the overhead has to fit. A point that
-    cannot be predicted (a hub id whose config cannot be loaded, a model type theory does not model) passes.
-    """
+    """Raise TooBig when a normalized point's predicted peak exceeds the free memory of its device. With `model`
+    given its weights are resident: only the overhead has to fit. A point that cannot be predicted passes."""
     free = free_bytes(p["device"])
     if free is None:
         return
