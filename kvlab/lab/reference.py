@@ -1,11 +1,10 @@
-"""The real thing: transformers' own `generate()`, measured with kvlab's meter, one release at a time.
+"""The real thing: transformers' own `generate()`, measured with kvlab's meter, one release at a time
+(`python -m kvlab measure --kind reference --cache tuple --loop v4.40` runs 4.40.1's).
 
-Releases older than the installed transformers 5 cannot share its process: each is installed into its own
-folder (`pip --target`, no dependencies resolved, with the libraries it was released with) and runs in a
-subprocess with that folder first on PYTHONPATH. The installed 5.x runs through the same worker, so every
-reference is measured the same way: a fresh process that imports only `kvlab.meter` (plain torch), builds
-the preset with that release's own classes and prints JSON records. From the command line, a reference
-point is a `measure`: `python -m kvlab measure --kind reference --cache tuple --loop v4.40` (4.40.1).
+An old release cannot share transformers 5's process: each is installed into its own folder (`pip --target`,
+no dependencies resolved, with the libraries it was released with). Every release, the installed 5.x too, runs
+in a fresh process (its folder first on PYTHONPATH) that imports only `kvlab.meter` (plain torch), builds the
+preset with that release's own classes and prints JSON records.
 """
 
 from __future__ import annotations
