@@ -1,8 +1,7 @@
-"""The main job: the tuple cache of transformers <= 4.41 vs every later design, on the default device.
-
-A small shipped sweep (`cpu-default` on CPU: the Llama-2-7B twin in bf16; `cuda-default` on a GPU: TinyLlama-1.1B
-in bf16 at the PR's shape), one fresh kernel per point, then the comparison table, the figures and the executed
-analysis notebook, all in a git-ignored results folder; the committed notebooks are never overwritten.
+"""The main job: the tuple cache of transformers <= 4.41 vs every later design, on the default device: a shipped
+sweep (`cpu-default`: the Llama-2-7B twin in bf16; `cuda-default`: TinyLlama-1.1B in bf16 at the PR's shape), then
+the table, the figures and the executed analysis notebook, in a git-ignored results folder (the committed
+notebooks are never overwritten).
 """
 
 from __future__ import annotations
