@@ -1,8 +1,6 @@
-"""Command line: `python -m kvlab {measure,compare,predict,sweep,stream}`.
-
-Every error is one line, `kvlab VERB: error: ...` (argparse's own too), exit status 2 for bad input,
-before any model is built; so is a point whose predicted peak exceeds the free memory of its device
-(unless --force). measure, predict, compare and sweep run decoders; stream serves encoder-decoders.
+"""Command line: `python -m kvlab {measure,compare,predict,sweep,stream}`. Every error is one line, `kvlab VERB:
+error: ...` (argparse's own too), exit status 2 for bad input, before any model is built; so is a point predicted
+not to fit in its device's free memory (unless --force). stream serves encoder-decoders; the others, decoders.
 """
 
 from __future__ import annotations
