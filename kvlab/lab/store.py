@@ -1,7 +1,8 @@
-"""The results folder: OUT/records/<point_id>.json, each point's row, saved whole as the point ends; OUT/results.csv,
-the table remade from them after every row (a damaged one set aside and rebuilt, one from before the records had
-its rows saved as records); OUT/provenance.json, a log of every run. Every write holds a file lock, so writers
-sharing a folder (two sweeps, the Ray driver and a local sweep) never lose or duplicate each other's rows.
+"""The results folder: OUT/records/<point_id>.json, each point's row, saved whole as the point ends (a kill or a full
+disk loses at most that point); OUT/results.csv, the table remade from them after every row (a damaged one set
+aside and rebuilt, one from before the records had its rows saved as records); OUT/provenance.json, a log of every
+run. Every write holds a file lock, so writers sharing a folder (two sweeps, the Ray driver and a local sweep)
+never lose or duplicate each other's rows.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def locked(path: str | os.PathLike) -> FileLock:
 
 def replace_text(path: str | os.PathLike, text: str) -> None:
     """Replace the whole file at once and durably (a temporary file, synced, renamed, the folder synced): a kill
-    or a full disk leaves the old file or the new one. Callers hold `locked(path)`."""
+    or a full disk leaves the old file or the new one. Callers hold `locked(path)`, so no other writer shares the
+    temporary file or slips in between their read and this write."""
     path = Path(path)
     temporary = path.with_name(path.name + ".tmp")
     try:
@@ -157,8 +159,8 @@ def _write_table(path: Path, rows: list[dict], columns: list[str] = COLUMNS) -> 
 
 
 def replace_rows(path: str | os.PathLike, rows: list[dict], replaced, columns: list[str]) -> None:
-    """Write `rows` in place of the stored rows for which `replaced(row)` is true, keep the others, under the
-    file's lock, the file replaced at once (the request stream, kvlab.encdec.stream, stores its rows so)."""
+    """Write `rows` in place of the stored rows for which `replaced(row)` is true and keep the others, under
+    the file's lock, the file replaced at once (the request stream, kvlab.encdec.stream, stores its rows so)."""
     path = Path(path)
     with locked(path):
         kept = []
@@ -169,8 +171,8 @@ def replace_rows(path: str | os.PathLike, rows: list[dict], replaced, columns: l
 
 
 def append_row(path: str | os.PathLike, row: dict) -> None:
-    """Save one point's row in the records beside the table `path` (a rerun point's row replaces its earlier
-    one), then rewrite the table from the records."""
+    """Save one point's row in the records beside `path` (a rerun point's row replaces its earlier one),
+    then rewrite the table `path` from the records."""
     path = Path(path)
     with locked(path):  # another writer's row lands before our read or after our write, never in between
         rows = [saved for saved in _rows(path) if saved["point_id"] != row["point_id"]]
@@ -179,8 +181,8 @@ def append_row(path: str | os.PathLike, row: dict) -> None:
 
 
 def rebuild(path: str | os.PathLike) -> list[dict]:
-    """Bring the table `path` in line with the records beside it (a damaged table set aside) and return its
-    rows. Every sweep does this first; `python -m kvlab sweep --out OUT --rebuild` does only this."""
+    """Bring the table `path` in line with the records beside it (a damaged table set aside) and return
+    its rows. Every sweep does this at its start; `python -m kvlab sweep --out OUT --rebuild` does only this."""
     path = Path(path)
     with locked(path):
         rows = _rows(path)
