@@ -10,11 +10,5 @@
     compare     the main job (`make compare`): a shipped sweep, its table and figures
     cli         `python -m kvlab {measure,predict,compare,sweep,stream}`; sweep_cli: the sweep's own options
 
-    python -m kvlab sweep cpu-default --out results/cpu-default
-    python -m kvlab sweep --grid cache=tuple,dynamic --grid new=64,128 --out results/mine
-    python -m kvlab sweep cpu-default --engine ray [--address auto|ray://HOST:PORT]
-
-Each point executes the point notebook in a new kernel, so one point's memory (or crash) never leaks
-into the next. Rerunning the same command skips the points already measured (status "ok"); a point that
-ran out of memory or failed becomes a row with its status and error, and the sweep goes on.
+How sweeps run, resume and fail: README.md, "Sweeps".
 """

@@ -1,8 +1,6 @@
-"""Command line: `python -m kvlab {measure,compare,predict,sweep,stream}`.
-
-Every error is one line, `kvlab VERB: error: ...` (argparse's own too), exit status 2 for bad input,
-before any model is built; so is a point whose predicted peak exceeds the free memory of its device
-(unless --force). measure, predict, compare and sweep run decoders; stream serves encoder-decoders.
+"""Command line: `python -m kvlab {measure,compare,predict,sweep,stream}`. Every error is one line, `kvlab VERB:
+error: ...` (argparse's own too), exit status 2 for bad input, before any model is built; so is a point predicted
+not to fit in its device's free memory (unless --force). stream serves encoder-decoders; the others, decoders.
 """
 
 from __future__ import annotations
@@ -18,6 +16,26 @@ from ..models import DECODERS
 from .point import DEFAULTS, DESIGNS, KINDS
 from .reference import ReferenceInstallError
 
+# The point's options (--restart-new sets restart_new) and what each is; a number's metavar is N.
+POINT_OPTIONS = {
+    "preset": f"a decoder preset ({', '.join(DECODERS)}), a config.json path (or its folder), or a hub id",
+    "kind": f"one of {', '.join(KINDS)}: kvlab's loop, or the real release's own generate() for that cache/loop, "
+            "in a subprocess",
+    "cache": f"one of {', '.join(CACHES)}", "loop": f"the release whose generate() loop to run: one of {', '.join(LOOPS)}",
+    "strategy": f"one of {', '.join(STRATEGIES)}", "batch": "sequences decoded together",
+    "prompt": "prompt length, tokens", "new": "tokens generated per sequence",
+    "restart-new": "tokens a second generate() call adds, continuing from the first's cache; 0: no such call",
+    "num-beams": "beams per sequence (strategy beam)", "chunk-limit": "cache list: chunks kept before they are joined into one",
+    "block-tokens": "cache prealloc: tokens its buffers grow by", "seed": "weights, prompt and sampling",
+    "device": "cpu, cuda, meta (counts without data) or auto (CUDA if present)", "dtype": "float32, bfloat16 or float16"}
+NUMBERS = ("batch", "prompt", "new", "restart-new", "num-beams", "chunk-limit", "block-tokens", "seed")
+# The rows of measure's table: (record field, what it is); a field the point has no value for is left out.
+TABLE = [("baseline_bytes", "weights (before decoding)"), ("peak_bytes", "peak"),
+         ("overhead_bytes", "overhead = peak - weights"), ("kv_at_peak_bytes", "  KV cache, at the peak"),
+         ("logits_at_peak_bytes", "  logits, at the peak"), ("other_at_peak_bytes", "  the rest, at the peak"),
+         ("predicted_overhead_bytes", "overhead predicted (kvlab.theory)"), ("kv_final_bytes", "final KV cache"),
+         ("reserved_peak_bytes", "reserved by the CUDA allocator, peak"), ("storages_peak_bytes", "live storages, peak")]
+
 
 class Parser(argparse.ArgumentParser):
     """argparse with kvlab's one-line errors (argparse's own print the whole usage first)."""
@@ -30,48 +48,18 @@ def _default(key: str) -> str:
     return f"(default: {DEFAULTS[key]})"
 
 
-def _point_arguments(parser: argparse.ArgumentParser) -> None:
-    """The point's parameters; each left unset (None) unless given, so that normalize knows what was asked for."""
-    parser.add_argument("--preset", default=None, help=f"a decoder preset ({', '.join(DECODERS)}), a config.json path "
-                        f"(or its folder), or a hub id {_default('preset')}")
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                        help="config override, repeatable (e.g. num_hidden_layers=2)")
-    parser.add_argument("--kind", default=None, help=f"one of {', '.join(KINDS)}: kvlab's loop, or the real release's "
-                        f"own generate() for that cache/loop, in a subprocess {_default('kind')}")
-    parser.add_argument("--cache", default=None, help=f"one of {', '.join(CACHES)} {_default('cache')}")
-    parser.add_argument("--loop", default=None, help=f"the release whose generate() loop to run: one of "
-                        f"{', '.join(LOOPS)} {_default('loop')}")
-    parser.add_argument("--strategy", default=None, help=f"one of {', '.join(STRATEGIES)} {_default('strategy')}")
-    sizes = {"batch": "sequences decoded together", "prompt": "prompt length, tokens",
-             "new": "tokens generated per sequence",
-             "restart-new": "tokens a second generate() call adds, continuing from the first's cache; 0: no such call",
-             "num-beams": "beams per sequence (strategy beam)",
-             "chunk-limit": "cache list: chunks kept before they are joined into one",
-             "block-tokens": "cache prealloc: tokens its buffers grow by", "seed": "weights, prompt and sampling"}
-    for name, what in sizes.items():
-        parser.add_argument(f"--{name}", type=int, default=None, metavar="N",
-                            help=f"{what} {_default(name.replace('-', '_'))}")
-    parser.add_argument("--device", default=None, help=f"cpu, cuda, meta (counts without data) or auto (CUDA if "
-                        f"present) {_default('device')}")
-    parser.add_argument("--dtype", default=None, help=f"float32, bfloat16 or float16 {_default('dtype')}")
+def _point_arguments(parser: argparse.ArgumentParser, names=POINT_OPTIONS, default: str | None = None) -> None:
+    """The point's options, each left unset (None) unless given, so that normalize knows what was asked for;
+    `default`: what an unset one becomes, when not the point's default."""
+    for name in names:
+        number = dict(type=int, metavar="N") if name in NUMBERS else {}
+        parser.add_argument(f"--{name}", default=None, **number,
+                            help=f"{POINT_OPTIONS[name]} {default or _default(name.replace('-', '_'))}")
 
 
 def _point_params(args) -> dict:
-    keys = ("kind", "runtime", "preset", "cache", "loop", "strategy", "batch", "prompt", "new", "restart_new", "num_beams",
-            "chunk_limit", "block_tokens", "seed", "device", "dtype", "timing", "force")
-    params = {key: getattr(args, key, None) for key in keys if getattr(args, key, None) is not None}
-    if args.override:
-        params["overrides"] = args.override
-    return params
-
-
-# The rows of measure's table: (record field, what it is); a field the point has no value for is left out.
-TABLE = [("baseline_bytes", "weights (before decoding)"), ("peak_bytes", "peak"),
-         ("overhead_bytes", "overhead = peak - weights"), ("kv_at_peak_bytes", "  KV cache, at the peak"),
-         ("logits_at_peak_bytes", "  logits, at the peak"), ("other_at_peak_bytes", "  the rest, at the peak"),
-         ("predicted_overhead_bytes", "overhead predicted (kvlab.theory)"), ("kv_final_bytes", "final KV cache"),
-         ("reserved_peak_bytes", "reserved by the CUDA allocator, peak"),
-         ("storages_peak_bytes", "live storages, peak")]
+    params = {key: value for key, value in vars(args).items() if key in DEFAULTS and value is not None}
+    return dict(params, overrides=args.override) if args.override else params
 
 
 def format_record(r: dict) -> str:
@@ -82,24 +70,22 @@ def format_record(r: dict) -> str:
     restart = f" + {r['restart_new']} after a restart" if r["restart_new"] else ""
     rows = [(label, r[key] / size) for key, label in TABLE if r.get(key) is not None]
     width = max(len(label) for label, _ in rows)
-    lines = [f"{name}: {r['cache']} cache, {r['loop']} loop ({r['kind']}, {r['runtime']}), {r['strategy']}{beams}; "
-             f"batch {r['batch']}, prompt {r['prompt']}, {r['new']} new{restart}; {r['dtype']} on {r['device']}",
-             "", f"{'':{width}}  {unit:>10}", *(f"{label:{width}}  {value:10.3f}" for label, value in rows), ""]
     facts = [f"overhead / final KV {r['overhead_over_kv']:.3f}"]
     if r.get("prediction_error") is not None:
         facts.append(f"theory off by {100 * r['prediction_error']:+.2f} %")
     if r.get("tokens_per_s"):
         facts.append(f"{r['tokens_per_s']:.1f} tokens/s ({r['seconds']:.2f} s, an unmetered run)")
-    lines += ["; ".join(facts), f"meter {r['meter']} on {r['device_name']}; transformers {r['transformers_version']}, "
-              f"torch {r['torch_version']}; --json prints the whole record"]
-    return "\n".join(lines)
+    return "\n".join([
+        f"{name}: {r['cache']} cache, {r['loop']} loop ({r['kind']}, {r['runtime']}), {r['strategy']}{beams}; "
+        f"batch {r['batch']}, prompt {r['prompt']}, {r['new']} new{restart}; {r['dtype']} on {r['device']}",
+        "", f"{'':{width}}  {unit:>10}", *(f"{label:{width}}  {value:10.3f}" for label, value in rows), "",
+        "; ".join(facts), f"meter {r['meter']} on {r['device_name']}; transformers {r['transformers_version']}, "
+        f"torch {r['torch_version']}; --json prints the whole record"])
 
 
 def cmd_measure(args) -> None:
-    from .point import normalize, run_point
-    params = _point_params(args)
-    normalize(**params)  # fail on bad input before the model is built
-    record = run_point(**params)
+    from .point import run_point  # it checks every input before a model is built
+    record = run_point(**_point_params(args))
     print(json.dumps(record) if args.json else format_record(record))
 
 
@@ -118,8 +104,7 @@ def cmd_predict(args) -> None:
 
 def cmd_compare(args) -> None:
     from .compare import run_compare
-    run_compare(device=args.device, preset=args.preset, out=args.out, new=args.new, batch=args.batch,
-                prompt=args.prompt, dtype=args.dtype)
+    run_compare(**{key: getattr(args, key) for key in ("device", "preset", "out", "new", "batch", "prompt", "dtype")})
 
 
 def cmd_sweep(args) -> None:
@@ -164,7 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     measure = sub.add_parser("measure", help="measure one point and print its record",
                              description="Measure one point: the peak of generate()'s memory above the weights, and "
                              "what is live at the peak. Prints a table in MiB or GiB; --json prints the record (bytes).")
-    _point_arguments(measure)
+    predict = sub.add_parser("predict", help="the predicted peak (weights + overhead) of every design, before running",
+                             description="The predicted peak of every design (or the one asked for) from the config "
+                             "alone, in GiB; nothing is allocated.")
+    for verb in (measure, predict):
+        _point_arguments(verb)
+        verb.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
+                          help="config override, repeatable (e.g. num_hidden_layers=2)")
     measure.add_argument("--json", action="store_true", help="print the whole record (bytes) as one JSON line")
     measure.add_argument("--runtime", default=None, help="eager (kvlab's loop), jit-trace (a torch.jit.trace graph "
                          "passing tuples: cache tuple), convert (tuples <-> DynamicCache every step: cache dynamic) or "
@@ -173,52 +164,36 @@ def build_parser() -> argparse.ArgumentParser:
                          help="skip the second, unmetered run that measures tokens/s")
     measure.add_argument("--force", action="store_true", default=None,
                          help="run even if the predicted peak exceeds the free memory of the device")
-    measure.set_defaults(func=cmd_measure)
-
-    predict = sub.add_parser("predict", help="the predicted peak (weights + overhead) of every design, before running",
-                             description="The predicted peak of every design (or the one asked for) from the config "
-                             "alone, in GiB; nothing is allocated.")
-    _point_arguments(predict)
     predict.add_argument("--memory", default=None, metavar="SIZE",
                          help="say whether each design fits in this much memory (e.g. 24GiB, 80GB, 512MiB, bytes)")
     predict.add_argument("--json", action="store_true", help="print the prediction, term by term, as JSON (bytes)")
-    predict.set_defaults(func=cmd_predict)
 
     compare = sub.add_parser("compare", help="the tuple cache of <= 4.41 vs every later design, on the default device")
     compare.add_argument("--device", default="auto", help="cpu, cuda or auto (CUDA if present) (default: auto)")
     compare.add_argument("--preset", default=None, help="a decoder preset, config.json or hub id (default: "
                          "llama2-7b-twin on CPU, tinyllama-1.1b on CUDA: kvlab/lab/sweeps/cpu-default.yaml, cuda-default.yaml)")
-    for name, what in (("batch", "sequences decoded together"), ("prompt", "prompt length, tokens"),
-                       ("new", "tokens generated per sequence")):
-        compare.add_argument(f"--{name}", type=int, default=None, metavar="N", help=f"{what} (default: the sweep file's)")
-    compare.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: the sweep file's)")
+    _point_arguments(compare, ("batch", "prompt", "new", "dtype"), default="(default: the sweep file's)")
     compare.add_argument("--out", default=None, help="results folder (default: results/compare-<time>)")
-    compare.set_defaults(func=cmd_compare)
 
     sweep = sub.add_parser("sweep", help="run a grid of points with papermill, one fresh kernel each, here or on Ray "
                            "(--engine local|ray --address ...)", add_help=False)
     sweep.add_argument("rest", nargs=argparse.REMAINDER)
-    sweep.set_defaults(func=cmd_sweep)
-
-    stream = sub.add_parser("stream", help="serve a stream of encoder-decoder requests with each cache design")
-    _stream_arguments(stream)
-    stream.set_defaults(func=cmd_stream)
+    _stream_arguments(sub.add_parser("stream", help="serve a stream of encoder-decoder requests with each cache design"))
+    commands = dict(measure=cmd_measure, predict=cmd_predict, compare=cmd_compare, sweep=cmd_sweep, stream=cmd_stream)
+    for name, verb in sub.choices.items():
+        verb.set_defaults(func=commands[name])
     return parser
 
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    handed_over = {"sweep": cmd_sweep}
-    if argv[:1] and argv[0] in handed_over:  # argparse's REMAINDER cannot start with an option: hand over directly
-        args = argparse.Namespace(command=argv[0], rest=argv[1:], func=handed_over[argv[0]])
+    if argv[:1] == ["sweep"]:  # argparse's REMAINDER cannot start with an option: hand over directly
+        args = argparse.Namespace(command="sweep", rest=argv[1:], func=cmd_sweep)
     else:
         args = build_parser().parse_args(argv)
     args.argv = argv
     try:
         args.func(args)
-    except ValueError as error:  # bad input
+    except (ValueError, ReferenceInstallError) as error:  # bad input (2), or the machine's fault, not the input's (1)
         print(f"kvlab {args.command}: error: {error}", file=sys.stderr)
-        sys.exit(2)
-    except ReferenceInstallError as error:  # the machine's, not the input's
-        print(f"kvlab {args.command}: error: {error}", file=sys.stderr)
-        sys.exit(1)
+        sys.exit(2 if isinstance(error, ValueError) else 1)

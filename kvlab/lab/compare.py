@@ -1,9 +1,7 @@
-"""The main job: the tuple cache of transformers <= 4.41 vs every later design, on the default device.
-
-It runs a small shipped sweep (`cpu-default` on CPU: the Llama-2-7B twin in bf16; `cuda-default` on a
-GPU: TinyLlama-1.1B in bf16 at the PR's shape), one fresh kernel per point, then prints the
-comparison table, draws the figures and executes the analysis notebook on the results. Everything
-goes to a git-ignored results folder; the committed notebooks are never overwritten.
+"""The main job: the tuple cache of transformers <= 4.41 vs every later design, on the default device: a shipped
+sweep (`cpu-default`: the Llama-2-7B twin in bf16; `cuda-default`: TinyLlama-1.1B in bf16 at the PR's shape), then
+the table, the figures and the executed analysis notebook, in a git-ignored results folder (the committed
+notebooks are never overwritten).
 """
 
 from __future__ import annotations
@@ -18,33 +16,34 @@ from .grid import expand, load_sweep, sweep_file, validate
 from .engines import run_sweep
 from .point import DESIGNS
 
-NOTEBOOKS = Path(__file__).resolve().parents[2] / "notebooks"
-ANALYSIS_NOTEBOOK = NOTEBOOKS / "04_analysis.ipynb"
+ANALYSIS_NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "04_analysis.ipynb"
 MIB = 2**20
 # The parameters a sweep's points may differ in besides the design; the table shows those that do.
 VARYING = ("preset", "overrides", "runtime", "strategy", "dtype", "batch", "prompt", "track_storages")
 
 
+def longest_ok(results: pd.DataFrame) -> pd.DataFrame:
+    """The points measured at the sweep's longest generation."""
+    return results[(results["status"] == "ok") & (results["new"] == results["new"].max())]
+
+
 def comparison_table(df: pd.DataFrame) -> pd.DataFrame:
     """One row per design at the longest generation of the sweep, in DESIGNS' order; a column for each other
     parameter the rows differ in; a real release's own generate() (kind reference) right under kvlab's loop."""
-    rows = df[(df["status"] == "ok") & (df["new"] == df["new"].max())]
+    rows = longest_ok(df)
     order = [DESIGNS.index(d) if d in DESIGNS else len(DESIGNS) for d in zip(rows["cache"], rows["loop"])]
     varying = [key for key in VARYING if rows[key].nunique() > 1]
     rows = rows.assign(design_order=order).sort_values([*varying, "design_order", "kind"], kind="stable")
-    columns = {key: rows[key] for key in varying} | {"cache": rows["cache"], "loop": rows["loop"]}
+    columns = {key: rows[key] for key in [*varying, "cache", "loop"]}
     if (rows["kind"] == "reference").any():
         release = "transformers " + rows["transformers_version"].astype(str)
         columns["generate()"] = release.where(rows["kind"] == "reference", "kvlab")
-    return pd.DataFrame(columns | {
-        "overhead_MiB": (rows["overhead_bytes"] / MIB).round(2),
-        "overhead/KV": rows["overhead_over_kv"].round(3),
-        "predicted_MiB": (rows["predicted_overhead_bytes"] / MIB).round(2),
-        "error_%": (100 * rows["prediction_error"]).round(2),
-        "tokens/s": rows["tokens_per_s"].round(1),
-    } | ({"storages_MiB": (rows["storages_peak_bytes"] / MIB).round(2)}  # the live-storage meter beside CUDA's
-         if ((rows["meter"] == "cuda-allocator") & rows["storages_peak_bytes"].notna()).any() else {})
-    ).reset_index(drop=True)
+    columns |= {"overhead_MiB": (rows["overhead_bytes"] / MIB).round(2), "overhead/KV": rows["overhead_over_kv"].round(3),
+                "predicted_MiB": (rows["predicted_overhead_bytes"] / MIB).round(2),
+                "error_%": (100 * rows["prediction_error"]).round(2), "tokens/s": rows["tokens_per_s"].round(1)}
+    if ((rows["meter"] == "cuda-allocator") & rows["storages_peak_bytes"].notna()).any():
+        columns["storages_MiB"] = (rows["storages_peak_bytes"] / MIB).round(2)  # the live-storage meter beside CUDA's
+    return pd.DataFrame(columns).reset_index(drop=True)
 
 
 def markdown(table: pd.DataFrame) -> str:
@@ -59,8 +58,7 @@ def write_summary(results: pd.DataFrame, path: Path, title: str) -> None:
     """`path` (a sweep's OUT/summary.md): the comparison table as `make compare` prints it, and what is not ok."""
     counts = ", ".join(f"{n} {status}" for status, n in results["status"].value_counts().items())
     lines = [f"# {title}", "", f"{len(results)} points: {counts}.", ""]
-    longest = results[(results["status"] == "ok") & (results["new"] == results["new"].max())]
-    if len(longest):
+    if len(longest := longest_ok(results)):
         shared = [f"{key} {longest[key].iloc[0]}" for key in VARYING
                   if longest[key].nunique() == 1 and longest[key].iloc[0] != ""]
         lines += [f"On {', '.join(longest['device_name'].unique())} ({longest['device'].iloc[0]}): "
@@ -78,27 +76,29 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
     device = resolve_device(device)
     fixed, grid = load_sweep(sweep_file("cuda-default" if device.startswith("cuda") else "cpu-default"))
     fixed.update(device=device, **{k: v for k, v in dict(preset=preset, **sizes).items() if v is not None})
-    if "new" in sizes and sizes["new"] is not None:
+    if sizes.get("new") is not None:
         grid.pop("new", None)
     points = validate(expand(fixed, grid))  # every bad input fails here, before anything runs
     out = Path(out or f"results/compare-{datetime.datetime.now():%Y%m%d-%H%M%S}")
 
     results = run_sweep(points, out, command="python -m kvlab compare")
-    failed = results[results["status"] != "ok"]
-    for _, row in failed.iterrows():
+    for _, row in results[results["status"] != "ok"].iterrows():
         print(f"{row['status']}: {row['cache']}/{row['loop']} new={row['new']}: {row['error']}")
-    table = comparison_table(results)
+    table, longest = comparison_table(results), longest_ok(results)
+
+    import papermill
 
     from ..notebook import plots
-    figures = []
-    longest = results[(results["status"] == "ok") & (results["new"] == results["new"].max())]
-    figures.append(out / "compare.png")
-    plots.compare_figure(longest).savefig(figures[-1], dpi=120, bbox_inches="tight")
+    from ..notebook.colab import kernel_name  # `kvlab` where make registered it, else python3
+    figures = {out / "compare.png": plots.compare_figure(longest)}
     if results["new"].nunique() > 1:
-        figures.append(out / "overhead_vs_new_tokens.png")
-        plots.overhead_figure(results, "new").savefig(figures[-1], dpi=120, bbox_inches="tight")
+        figures[out / "overhead_vs_new_tokens.png"] = plots.overhead_figure(results, "new")
+    for path, figure in figures.items():
+        figure.savefig(path, dpi=120, bbox_inches="tight")
     analysis = out / "04_analysis.ipynb"
-    _execute_analysis(out / "results.csv", analysis)
+    papermill.execute_notebook(str(ANALYSIS_NOTEBOOK), str(analysis), kernel_name=kernel_name(), progress_bar=False,
+                               parameters={"results_csv": str((out / "results.csv").resolve())},
+                               cwd=str(ANALYSIS_NOTEBOOK.parent.parent))
 
     first = longest.iloc[0]
     print(f"\n{first['preset']} on {first['device_name']} ({first['device']}, {first['dtype']}), "
@@ -112,17 +112,6 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
     best = longest[(longest["loop"] == "v5") & (longest["cache"] != "tuple")]["overhead_bytes"].min()
     if len(baseline) and best:
         print(f"\ntuple / v4.40 (<= 4.41) over the best v5 design's overhead: {baseline.iloc[0] / best:.2f}x")
-    print(f"\nresults: {out / 'results.csv'}")
-    for figure in figures:
-        print(f"figure:  {figure}")
-    print(f"analysis notebook (executed): {analysis}")
+    print(f"\nresults: {out / 'results.csv'}", *(f"figure:  {path}" for path in figures),
+          f"analysis notebook (executed): {analysis}", sep="\n")
     return table
-
-
-def _execute_analysis(results_csv: Path, output: Path) -> None:
-    import papermill
-
-    from ..notebook.colab import kernel_name  # `kvlab` where make registered it, else python3
-    papermill.execute_notebook(str(ANALYSIS_NOTEBOOK), str(output), parameters={"results_csv": str(results_csv.resolve())},
-                               kernel_name=kernel_name(),
-                               cwd=str(ANALYSIS_NOTEBOOK.parent.parent), progress_bar=False)

@@ -1,9 +1,9 @@
 """What a sweep runs: grid items and sweep files → points, validated, each with a stable id.
 
-A sweep file (YAML) has `fixed:` parameters shared by every point and `grid:` lists whose product
-gives the points. A grid entry whose values are mappings sets several parameters together, e.g.
-`design: [{cache: tuple, loop: v4.40}, {cache: dynamic, loop: v5}]`. Optional: `description:`, and
-`point_timeout_s:`, the seconds a cell of a point's notebook may run before the point is a failure row.
+A sweep file (YAML) has `fixed:` parameters shared by every point and `grid:` lists whose product gives the
+points; a grid entry whose values are mappings sets several parameters together, e.g. `design: [{cache: tuple,
+loop: v4.40}, {cache: dynamic, loop: v5}]`. Optional: `description:`, and `point_timeout_s:`, the seconds a cell
+of a point's notebook may run before the point is a failure row.
 """
 
 from __future__ import annotations
@@ -14,11 +14,16 @@ import json
 import os
 from pathlib import Path
 
+import torch
+
 from .point import DEFAULTS, is_true, normalize
 from ..models import parse_value
 from .shipped import read_yaml, shipped_or_path
 
 SWEEPS_DIR = Path(__file__).resolve().parent / "sweeps"
+# Parameters added after results were first stored: left out of a point's id at their defaults, so those
+# results keep their ids (a rerun still skips them, data/ stays joinable).
+LATER_PARAMETERS = ("kind", "runtime")
 
 
 def parse_grid_item(item: str) -> tuple[str, list]:
@@ -60,8 +65,7 @@ def load_sweep(path: str | os.PathLike) -> tuple[dict, dict]:
 def merge_grid_items(fixed: dict, grid: dict, items: list[str]) -> tuple[dict, dict]:
     """Command-line `--grid key=v1,v2` items on top of a sweep file's (fixed, grid): the command line wins, key by key."""
     fixed, grid = dict(fixed), dict(grid)
-    for item in items:
-        key, values = parse_grid_item(item)
+    for key, values in map(parse_grid_item, items):
         fixed.pop(key, None)
         grid.pop(key, None)
         for group, values_of_group in grid.items():  # also out of groups like `design: [{cache: ...}]`
@@ -76,18 +80,14 @@ def merge_grid_items(fixed: dict, grid: dict, items: list[str]) -> tuple[dict, d
 
 def expand(fixed: dict | None = None, grid: dict | None = None) -> list[dict]:
     """The points of a grid: every combination of its values, on top of the fixed parameters."""
-    fixed, grid = dict(fixed or {}), dict(grid or {})
-    for key, values in grid.items():
-        if not values:
-            raise ValueError(f"grid key {key!r} has no values")
+    grid = grid or {}
+    if empty := [key for key, values in grid.items() if not values]:
+        raise ValueError(f"grid key {empty[0]!r} has no values")
     points = []
     for combination in itertools.product(*grid.values()):
-        point = dict(fixed)
-        for key, value in zip(grid, combination):
-            if isinstance(value, dict):  # a group of parameters set together, e.g. cache + loop
-                point.update(value)
-            else:
-                point[key] = value
+        point = dict(fixed or {})
+        for key, value in zip(grid, combination):  # a mapping: a group of parameters set together, e.g. cache + loop
+            point.update(value if isinstance(value, dict) else {key: value})
         points.append(point)
     return points
 
@@ -104,39 +104,24 @@ def points_of(points_or_grid, fixed: dict | None = None) -> list[dict]:
 
 
 def validate(points: list[dict], *, devices_here: bool = True) -> list[dict]:
-    """Every point normalized (defaults filled, choices checked) before anything runs, each once.
-
-    `devices_here=False` (the Ray engine): CUDA points run on other machines, so a driver without a GPU
-    checks them as CPU points (what runs on CUDA runs on a CPU) and keeps `cuda`, with CUDA's defaults.
-    """
+    """Every point normalized (defaults filled, choices checked) before anything runs, each once. With
+    `devices_here=False` (the Ray engine: CUDA points run elsewhere), a driver without a GPU checks CUDA points as
+    CPU points (what runs on CUDA runs on a CPU) and keeps `cuda`, with CUDA's defaults."""
     if not points:
         raise ValueError("the sweep has no points")
     checked = []
     for point in points:
         try:
-            checked.append(normalize(**point) if devices_here or not _cuda_elsewhere(point)
-                           else _normalize_for_cuda_elsewhere(point))
+            if devices_here or not str(point.get("device", "")).startswith("cuda") or torch.cuda.is_available():
+                checked.append(normalize(**point))
+            else:  # checked as a CPU point, with what normalize says on CUDA: no storage tracking, kernels timed
+                tracked = point.get("track_storages", "auto")
+                checked.append(dict(normalize(**{**point, "device": "cpu"}), device=point["device"],
+                                    track_storages=tracked != "auto" and is_true(tracked),
+                                    timing=is_true(point.get("timing", DEFAULTS["timing"]))))
         except ValueError as error:
             raise ValueError(f"point {json.dumps(point)}: {error}") from None
     return list({point_id(params): params for params in checked}.values())  # a grid may name a point twice
-
-
-def _cuda_elsewhere(point: dict) -> bool:
-    import torch
-    return str(point.get("device", "")).startswith("cuda") and not torch.cuda.is_available()
-
-
-def _normalize_for_cuda_elsewhere(point: dict) -> dict:
-    params = normalize(**{**point, "device": "cpu"})
-    # What normalize would have said on CUDA: the allocator counts (no storage tracking), kernels can be timed.
-    tracked = point.get("track_storages", "auto")
-    return dict(params, device=point["device"], track_storages=tracked != "auto" and is_true(tracked),
-                timing=is_true(point.get("timing", DEFAULTS["timing"])))
-
-
-# Parameters added after results were first stored: left out of a point's id at their defaults, so those
-# results keep their ids (a rerun still skips them, data/ stays joinable).
-LATER_PARAMETERS = ("kind", "runtime")
 
 
 def point_id(params: dict) -> str:

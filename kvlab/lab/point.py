@@ -1,11 +1,7 @@
-"""One measured point: parameters in, one flat record (a dict) out.
-
-The same function serves the CLI (`python -m kvlab measure`), the notebooks and every sweep, so a
-number in a figure always comes from here.
-
-A point has a `kind`: "kvlab" decodes with kvlab's cache and loop; "reference" runs the real release's own
-`generate()` that the (cache, loop) pair stands for (see REFERENCES), in a subprocess, through
-`kvlab.lab.reference`, and returns the same record, so the two sit in one table.
+"""One measured point: parameters in, one flat record (a dict) out. The CLI, the notebooks and every sweep call
+it, so a number in a figure always comes from here. Kind "kvlab" decodes with kvlab's cache and loop; kind
+"reference" runs the real release's own `generate()` that the (cache, loop) pair stands for (REFERENCES) in a
+subprocess (`kvlab.lab.reference`) and returns the same record, so the two sit in one table.
 """
 
 from __future__ import annotations
@@ -40,14 +36,21 @@ KINDS = ("kvlab", "reference")
 DEFAULTS = dict(kind="kvlab", runtime="eager", preset="toy", overrides="", cache="dynamic", loop="v5", strategy="greedy", batch=8,
                 prompt=64, new=512, restart_new=0, num_beams=4, device="auto", dtype="float32", seed=0,
                 chunk_limit=50, block_tokens=32, track_storages="auto", timing=True, force=False)
+# A record: the point's parameters (those below), then these fields, in results.csv's column order.
+RECORD_PARAMETERS = ("preset", "overrides", "cache", "loop", "kind", "runtime", "strategy", "batch", "prompt", "new",
+                     "restart_new", "num_beams", "device", "dtype")
+RECORD_FIELDS = ("meter", "baseline_bytes", "peak_bytes", "overhead_bytes", "reserved_peak_bytes",
+                 "storages_peak_bytes", "kv_final_bytes", "overhead_over_kv", "predicted_overhead_bytes",
+                 "prediction_error", "kv_at_peak_bytes", "logits_at_peak_bytes", "other_at_peak_bytes", "seconds",
+                 "tokens_per_s", "graph_build_seconds", "device_name", "torch_version", "transformers_version",
+                 "kvlab_version", "python_version", "git_commit", "measured_at")
 
 
 @functools.lru_cache(maxsize=1)
 def git_commit() -> str:
     try:
-        root = Path(__file__).resolve().parents[2]
-        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=root, capture_output=True,
-                              text=True, check=True).stdout.strip()
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).resolve().parents[2],
+                              capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -59,12 +62,10 @@ def device_name(device: str) -> str:
     if kind == "meta":
         return "meta (no data)"
     try:  # Linux names the processor model here; platform.processor() is often empty
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                    if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def provenance(device: str) -> dict:
@@ -81,24 +82,34 @@ def is_true(value) -> bool:
 
 def normalize(**params) -> dict:
     """Fill defaults and check every choice and size, before anything is allocated."""
-    unknown = set(params) - set(DEFAULTS)
-    if unknown:
+    from ..graphs import RUNTIMES, check_runtime
+    if unknown := set(params) - set(DEFAULTS):
         raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))}; valid: {', '.join(DEFAULTS)}")
     p = {**DEFAULTS, **{k: v for k, v in params.items() if v is not None}}
-    check_choice("kind", p["kind"], KINDS)
-    check_choice("cache", p["cache"], CACHES)
-    check_choice("loop", p["loop"], LOOPS)
-    check_choice("strategy", p["strategy"], STRATEGIES)
+    for key, choices in (("kind", KINDS), ("cache", CACHES), ("loop", LOOPS), ("strategy", STRATEGIES)):
+        check_choice(key, p[key], choices)
     if p["kind"] == "reference":
-        _check_reference(p)
-    _check_runtime(p, given=params)
-    for key in ("batch", "prompt", "new", "num_beams", "chunk_limit", "block_tokens"):
+        if (p["cache"], p["loop"]) not in REFERENCES:
+            pairs = ", ".join(f"{cache}/{loop} ({version})" for (cache, loop), (version, _) in REFERENCES.items())
+            raise ValueError(f"no transformers release runs {p['cache']}/{p['loop']} in its own generate(); a "
+                             f"reference point is one of: {pairs}")
+        if p["strategy"] not in ("greedy", "beam") or int(p["restart_new"]):
+            raise ValueError("a reference point decodes greedy or beam, without a restart")
+        if str(p["device"]).startswith("meta"):
+            raise ValueError("a reference point runs a release's own generate(), which the meta device cannot; "
+                             "choose one of: cpu, cuda, auto")
+    check_choice("runtime", p["runtime"], RUNTIMES)
+    if p["runtime"] != "eager":  # a graph runtime (kvlab.graphs) carries one cache design: the default if none given
+        if params.get("cache") is None:
+            p["cache"] = RUNTIMES[p["runtime"]][0]
+        check_runtime(p["runtime"], p["cache"], p["loop"], p["strategy"])
+        if p["kind"] != "kvlab" or int(p["restart_new"]) or resolve_device(p["device"]).startswith("meta"):
+            raise ValueError(f"runtime {p['runtime']!r} measures kvlab's own decode (kind kvlab), on cpu or cuda, "
+                             "without a restart")
+    for key, least in dict(batch=1, prompt=1, new=1, num_beams=1, chunk_limit=1, block_tokens=1, restart_new=0).items():
         p[key] = int(p[key])
-        if p[key] < 1:
-            raise ValueError(f"{key} must be a positive integer, got {p[key]}")
-    p["restart_new"] = int(p["restart_new"])
-    if p["restart_new"] < 0:
-        raise ValueError(f"restart_new must be zero or positive, got {p['restart_new']}")
+        if p[key] < least:
+            raise ValueError(f"{key} must be {'a positive integer' if least else 'zero or positive'}, got {p[key]}")
     p["device"] = resolve_device(p["device"])
     check_device(p["device"])
     parse_dtype(p["dtype"])
@@ -118,42 +129,6 @@ def normalize(**params) -> dict:
     return p
 
 
-def _check_runtime(p: dict, given: dict) -> None:
-    """A graph runtime (kvlab.graphs) carries one cache design; it is the default when none is given."""
-    from ..graphs import RUNTIMES, check_runtime
-    check_choice("runtime", p["runtime"], RUNTIMES)
-    if p["runtime"] == "eager":
-        return
-    if given.get("cache") is None:
-        p["cache"] = RUNTIMES[p["runtime"]][0]
-    check_runtime(p["runtime"], p["cache"], p["loop"], p["strategy"])
-    if p["kind"] != "kvlab" or int(p["restart_new"]) or resolve_device(p["device"]).startswith("meta"):
-        raise ValueError(f"runtime {p['runtime']!r} measures kvlab's own decode (kind kvlab), on cpu or cuda, "
-                         "without a restart")
-
-
-def _check_reference(p: dict) -> None:
-    if (p["cache"], p["loop"]) not in REFERENCES:
-        pairs = ", ".join(f"{cache}/{loop} ({version})" for (cache, loop), (version, _) in REFERENCES.items())
-        raise ValueError(f"no transformers release runs {p['cache']}/{p['loop']} in its own generate(); a reference "
-                         f"point is one of: {pairs}")
-    if p["strategy"] not in ("greedy", "beam") or int(p["restart_new"]):
-        raise ValueError("a reference point decodes greedy or beam, without a restart")
-    if str(p["device"]).startswith("meta"):
-        raise ValueError("a reference point runs a release's own generate(), which the meta device cannot; choose one "
-                         "of: cpu, cuda, auto")
-
-
-def make_prompt(vocab_size: int, p: dict) -> torch.Tensor:
-    """The point's prompt: seeded token ids drawn on the CPU (the same on every device), or, on meta, shapes
-    only, so that counting a point far beyond this machine's memory allocates nothing real."""
-    shape = (p["batch"], p["prompt"])
-    if torch.device(p["device"]).type == "meta":
-        return torch.empty(shape, dtype=torch.long, device="meta")
-    generator = torch.Generator().manual_seed(p["seed"])
-    return torch.randint(0, vocab_size, shape, generator=generator).to(p["device"])
-
-
 def beams(p: dict) -> int:
     """Sequences decoded per prompt: num_beams for beam search, one otherwise."""
     return p["num_beams"] if p["strategy"] == "beam" else 1
@@ -166,30 +141,42 @@ def run_point(model=None, **params) -> dict:
 
 def measure(model=None, **params):
     """Measure one point: (flat record, the meter's full report with timeline and split).
-
     A reference point runs in its own process: the report is None and `model` is not used."""
+    from ..graphs import GRAPH_RUNTIMES, build_graphs
     p = normalize(**params)
-    # Refuse a point predicted not to fit, before allocating anything.
-    if not p["force"]:
+    if not p["force"]:  # refuse a point predicted not to fit, before allocating anything
         from .predict import check_fits
         check_fits(p, model if p["kind"] == "kvlab" else None)
-    if p["kind"] == "reference":
-        return _measure_reference(p), None
-    from ..models import build_model
+    if p["kind"] == "reference":  # the release's own generate() in a subprocess (kvlab.lab.reference), the same meter
+        from .reference import REFERENCE_KEYS, measure_reference
+        version, implementation = REFERENCES[(p["cache"], p["loop"])]
+        real = measure_reference(version, cache_implementation=implementation, **{key: p[key] for key in REFERENCE_KEYS})
+        # Provenance of this process, with the versions the subprocess really ran.
+        origin = dict(provenance(p["device"]), transformers_version=real["transformers_version"],
+                      torch_version=real["torch_version"])
+        return _record(p, load_config(p["preset"], p["overrides"]), real, None, origin), None
     if model is None:
+        from ..models import build_model
         model = build_model(p["preset"], p["overrides"], p["device"], p["dtype"], p["seed"])
-    config = model.config
-    prompt = make_prompt(config.vocab_size, p)
+    # Seeded token ids drawn on the CPU (the same on every device); on meta, shapes only, so that counting a
+    # point far beyond this machine's memory allocates nothing real.
+    if torch.device(p["device"]).type == "meta":
+        prompt = torch.empty((p["batch"], p["prompt"]), dtype=torch.long, device="meta")
+    else:
+        prompt = torch.randint(0, model.config.vocab_size, (p["batch"], p["prompt"]),
+                               generator=torch.Generator().manual_seed(p["seed"])).to(p["device"])
     options = dict(cache=p["cache"], loop=p["loop"], strategy=p["strategy"], num_beams=p["num_beams"],
                    sampling=Sampling(temperature=0.7, top_k=50, top_p=0.9, seed=p["seed"]),
                    cache_options=dict(chunk_limit=p["chunk_limit"], block_tokens=p["block_tokens"],
                                       max_cache_len=p["prompt"] + p["new"] + p["restart_new"] - 1))
-    graphs = None
-    if p["runtime"] != "eager":  # trace or export before the meter starts (its time is recorded apart)
-        from ..graphs import build_graphs
-        graphs = build_graphs(model, prompt, p["new"], p["runtime"])
+    # Trace or export before the meter starts (its time is recorded apart).
+    graphs = build_graphs(model, prompt, p["new"], p["runtime"]) if p["runtime"] != "eager" else None
     gc.collect()
-    meter = _meter(p, model)
+    if p["runtime"] in GRAPH_RUNTIMES:  # the meter that sees inside the graph
+        from ..graphs.meter import graph_meter
+        meter = graph_meter(p["device"], model)
+    else:
+        meter = MemoryMeter(p["device"], model, track_storages=p["track_storages"])
     with meter:
         metered_seconds = _decode(model, prompt, p, options, meter, graphs)
     report = meter.report()
@@ -200,61 +187,26 @@ def measure(model=None, **params):
         seconds = metered_seconds if report.method == "cuda-allocator" else _decode(model, prompt, p, options, None,
                                                                                       graphs)
     at_peak = report.at_peak if p["track_storages"] else {}
-    measured = dict(meter=report.method, baseline_bytes=report.baseline_bytes, peak_bytes=report.peak_bytes,
-                    overhead_bytes=report.overhead_bytes, reserved_peak_bytes=report.reserved_peak_bytes,
-                    storages_peak_bytes=report.storages_peak_bytes, kv_at_peak_bytes=at_peak.get("kv"),
-                    logits_at_peak_bytes=at_peak.get("logits"), other_at_peak_bytes=at_peak.get("other"),
+    measured = dict(meter=report.method, overhead_bytes=report.overhead_bytes,
+                    **{key: getattr(report, key) for key in ("baseline_bytes", "peak_bytes", "reserved_peak_bytes",
+                                                             "storages_peak_bytes")},
+                    **{f"{part}_at_peak_bytes": at_peak.get(part) for part in ("kv", "logits", "other")},
                     graph_build_seconds=round(graphs.build_seconds, 3) if graphs and graphs.build_seconds else None)
-    return _record(p, config, measured, seconds, provenance(p["device"])), report
+    return _record(p, model.config, measured, seconds, provenance(p["device"])), report
 
 
 def _record(p: dict, config, measured: dict, seconds: float | None, origin: dict) -> dict:
     """The flat record of a measured point: its parameters, what the meter saw, KV, theory, speed, provenance."""
-    rows = p["batch"] * beams(p)
-    kv_final = kv_bytes_per_token(config, rows, p["dtype"]) * (p["prompt"] + p["new"] + p["restart_new"])
+    kv_final = kv_bytes_per_token(config, p["batch"] * beams(p), p["dtype"]) * (p["prompt"] + p["new"] + p["restart_new"])
     predicted = theory.predict_overhead(config, **{k: p[k] for k in theory.POINT_KEYS})
     overhead = measured["overhead_bytes"]
-    return dict(
-        preset=p["preset"], overrides=p["overrides"], cache=p["cache"], loop=p["loop"], kind=p["kind"],
-        runtime=p["runtime"],
-        strategy=p["strategy"], batch=p["batch"], prompt=p["prompt"], new=p["new"],
-        restart_new=p["restart_new"], num_beams=beams(p),
-        device=p["device"], dtype=p["dtype"], meter=measured["meter"],
-        baseline_bytes=measured["baseline_bytes"], peak_bytes=measured["peak_bytes"],
-        overhead_bytes=overhead, reserved_peak_bytes=measured.get("reserved_peak_bytes"),
-        storages_peak_bytes=measured.get("storages_peak_bytes"),
-        kv_final_bytes=kv_final, overhead_over_kv=round(overhead / kv_final, 4),
-        predicted_overhead_bytes=predicted,
-        prediction_error=round(overhead / predicted - 1, 4) if predicted else None,
-        kv_at_peak_bytes=measured.get("kv_at_peak_bytes"),
-        logits_at_peak_bytes=measured.get("logits_at_peak_bytes"),
-        other_at_peak_bytes=measured.get("other_at_peak_bytes"),
-        seconds=round(seconds, 4) if seconds else None,
-        tokens_per_s=round(p["batch"] * (p["new"] + p["restart_new"]) / seconds, 2) if seconds else None,
-        graph_build_seconds=measured.get("graph_build_seconds"),
-        **origin,
-    )
-
-
-def _measure_reference(p: dict) -> dict:
-    """The release's own generate() at this point (kvlab.lab.reference: a subprocess, the same meter)."""
-    from .reference import REFERENCE_KEYS, measure_reference
-    version, implementation = REFERENCES[(p["cache"], p["loop"])]
-    real = measure_reference(version, cache_implementation=implementation,
-                             **{key: p[key] for key in REFERENCE_KEYS})
-    # Provenance of this process, with the versions the subprocess really ran.
-    origin = dict(provenance(p["device"]), transformers_version=real["transformers_version"],
-                  torch_version=real["torch_version"])
-    return _record(p, load_config(p["preset"], p["overrides"]), real, None, origin)
-
-
-def _meter(p: dict, model):
-    """The live-storage counter (or the CUDA allocator); for a graph runtime, the meter that sees inside it."""
-    from ..graphs import GRAPH_RUNTIMES
-    if p["runtime"] in GRAPH_RUNTIMES:
-        from ..graphs.meter import graph_meter
-        return graph_meter(p["device"], model)
-    return MemoryMeter(p["device"], model, track_storages=p["track_storages"])
+    values = dict(measured, **origin, kv_final_bytes=kv_final, overhead_over_kv=round(overhead / kv_final, 4),
+                  predicted_overhead_bytes=predicted,
+                  prediction_error=round(overhead / predicted - 1, 4) if predicted else None,
+                  seconds=round(seconds, 4) if seconds else None,
+                  tokens_per_s=round(p["batch"] * (p["new"] + p["restart_new"]) / seconds, 2) if seconds else None)
+    return dict({key: p[key] for key in RECORD_PARAMETERS}, num_beams=beams(p),
+                **{key: values.get(key) for key in RECORD_FIELDS})
 
 
 def _decode(model, prompt, p, options, meter, graphs=None) -> float:

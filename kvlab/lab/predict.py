@@ -1,10 +1,6 @@
 """Will this point fit? The predicted peak (weights + `kvlab.theory`'s overhead), before anything is allocated.
-
-    python -m kvlab predict --preset llama2-7b --dtype bfloat16 --batch 8 --prompt 300 --new 500 --memory 24GiB
-
-The weights are counted from the config by building the model on the meta device (shapes, no data), so
-tied embeddings and buffers count exactly as in `meter.weight_bytes`. `measure` and `sweep` call
-`check_fits` to refuse a point whose predicted peak exceeds the free memory of its device.
+The weights are counted by building the model on the meta device (shapes, no data), so tied embeddings and
+buffers count exactly as in `meter.weight_bytes`. `measure` and `sweep` call `check_fits` first.
 """
 
 from __future__ import annotations
@@ -34,11 +30,10 @@ class TooBig(ValueError):
 def parse_bytes(text) -> int:
     """`"24GiB"`, `"22.5 GB"`, `"512MiB"`, `"1000000"` (bytes) → bytes."""
     match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
-    if not match or match.group(2) not in UNITS:
-        raise ValueError(f"memory size {text!r} not understood; give a number and one of: GiB, GB, MiB, MB, bytes")
-    size = int(float(match.group(1)) * UNITS[match.group(2)])
-    if size < 1:
-        raise ValueError(f"memory size {text!r} is not positive; give a number and one of: GiB, GB, MiB, MB, bytes")
+    size = int(float(match.group(1)) * UNITS[match.group(2)]) if match and match.group(2) in UNITS else None
+    if not size:
+        why = "not understood" if size is None else "is not positive"
+        raise ValueError(f"memory size {text!r} {why}; give a number and one of: GiB, GB, MiB, MB, bytes")
     return size
 
 
@@ -47,19 +42,11 @@ def format_bytes(n: int) -> str:
     return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / 2**20:.1f} MiB"
 
 
-def check_modeled(config, name: str) -> None:
-    model_type = getattr(config, "model_type", None)
-    if model_type not in MODELED:
-        raise ValueError(f"{name}: model_type {model_type!r} is not modelled by kvlab.theory, which models "
-                         f"{', '.join(MODELED)} decoders; choose one of: {', '.join(DECODERS)}, or such a config")
-
-
 @functools.lru_cache(maxsize=32)
 def _weights(config_class: type, config_json: str, dtype: str) -> int:
     config = config_class.from_dict(json.loads(config_json))
     with torch.device("meta"):  # shapes only: a 7B model costs nothing to build here
-        model = instantiate(config, parse_dtype(dtype))
-    return weight_bytes(model)
+        return weight_bytes(instantiate(config, parse_dtype(dtype)))
 
 
 def model_weight_bytes(config, dtype: str) -> int:
@@ -85,7 +72,9 @@ def point_of(p: dict, **changes) -> dict:
 def predict(p: dict, designs, memory: int | None = None) -> dict:
     """The predicted peak of a normalized point under each (cache, loop) design; `fits` when `memory` is given."""
     config = load_config(p["preset"], p["overrides"])
-    check_modeled(config, p["preset"])
+    if config.model_type not in MODELED:
+        raise ValueError(f"{p['preset']}: model_type {config.model_type!r} is not modelled by kvlab.theory, which "
+                         f"models {', '.join(MODELED)} decoders; choose one of: {', '.join(DECODERS)}, or such a config")
     weights = model_weight_bytes(config, p["dtype"])
     rows = []
     for cache, loop in designs:
@@ -94,65 +83,49 @@ def predict(p: dict, designs, memory: int | None = None) -> dict:
         if memory is not None:
             row["fits"] = row["peak_bytes"] <= memory
         rows.append(row)
-    sizes = {key: p[key] for key in ("preset", "overrides", "dtype", "strategy", "batch", "prompt", "new",
-                                     "restart_new")}
-    sizes["num_beams"] = beams(p)  # as in a measured record: 1 unless the point searches beams
+    sizes = {key: p[key] for key in ("preset", "overrides", "dtype", "strategy", "batch", "prompt", "new", "restart_new")}
     model = {key: getattr(config, key, None) for key in ("model_type", "num_hidden_layers", "hidden_size",
                                                          "num_attention_heads", "num_key_value_heads", "vocab_size")}
-    return dict(**sizes, model=model, weights_bytes=weights, memory_bytes=memory, designs=rows)
+    # num_beams as in a measured record: 1 unless the point searches beams.
+    return dict(**sizes, num_beams=beams(p), model=model, weights_bytes=weights, memory_bytes=memory, designs=rows)
 
 
 def format_prediction(result: dict) -> str:
     """The table `python -m kvlab predict` prints: GiB with 3 decimals."""
-    m, gib = result["model"], lambda n: f"{n / GIB:.3f}"
-    beams = f", {result['num_beams']} beams" if result["strategy"] == "beam" else ""
-    restart = f" + {result['restart_new']} after a restart" if result["restart_new"] else ""
-    name = f"{result['preset']} ({result['overrides']})" if result["overrides"] else result["preset"]
-    lines = [
-        f"{name}: {m['model_type']}, "
-        f"{m['num_hidden_layers']} layers, hidden {m['hidden_size']}, {m['num_attention_heads']} heads / "
-        f"{m['num_key_value_heads']} KV heads, vocab {m['vocab_size']}, {result['dtype']}",
-        f"batch {result['batch']}, prompt {result['prompt']}, {result['new']} new{restart}, "
-        f"{result['strategy']}{beams}; weights {gib(result['weights_bytes'])} GiB",
-        "",
-    ]
-    memory = result["memory_bytes"]
-    header = ["design", "peak GiB", "overhead GiB", "overhead/KV", "KV GiB"]
-    header += [f"fits in {gib(memory)} GiB"] if memory is not None else []
-    table = [header + ["peak at"]]
-    for row in result["designs"]:
-        cells = [f"{row['cache']}/{row['loop']}", gib(row["peak_bytes"]), gib(row["predicted_overhead_bytes"]),
-                 f"{row['overhead_over_kv']:.3f}", gib(row["kv_final_bytes"])]
-        cells += (["yes" if row["fits"] else "NO"] if memory is not None else []) + [row["peak_at"]]
-        table.append(cells)
-    widths = [max(len(r[i]) for r in table) for i in range(len(table[0]))]
-    numbers = range(1, 5)  # right-aligned; the rest left-aligned
-    for r in table:
-        cells = [c.rjust(w) if i in numbers else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))]
-        lines.append("  ".join(cells).rstrip())
-    lines.append("")
-    lines.append("peak = weights + overhead (kvlab.theory, live bytes above the weights); KV = final cache size")
-    return "\n".join(lines)
+    m, r, memory, gib = result["model"], result, result["memory_bytes"], lambda n: f"{n / GIB:.3f}"
+    name = f"{r['preset']} ({r['overrides']})" if r["overrides"] else r["preset"]
+    beams = f", {r['num_beams']} beams" if r["strategy"] == "beam" else ""
+    restart = f" + {r['restart_new']} after a restart" if r["restart_new"] else ""
+    fits = [f"fits in {gib(memory)} GiB"] if memory is not None else []
+    table = [["design", "peak GiB", "overhead GiB", "overhead/KV", "KV GiB", *fits, "peak at"]]
+    for d in r["designs"]:
+        table.append([f"{d['cache']}/{d['loop']}", gib(d["peak_bytes"]), gib(d["predicted_overhead_bytes"]),
+                      f"{d['overhead_over_kv']:.3f}", gib(d["kv_final_bytes"]),
+                      *(["yes" if d["fits"] else "NO"] if fits else []), d["peak_at"]])
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    return "\n".join([
+        f"{name}: {m['model_type']}, {m['num_hidden_layers']} layers, hidden {m['hidden_size']}, "
+        f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads, vocab {m['vocab_size']}, {r['dtype']}",
+        f"batch {r['batch']}, prompt {r['prompt']}, {r['new']} new{restart}, {r['strategy']}{beams}; "
+        f"weights {gib(r['weights_bytes'])} GiB", "",
+        # the four numbers right-aligned, the rest left-aligned
+        *("  ".join(c.rjust(w) if 1 <= i <= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
+          for row in table), "",
+        "peak = weights + overhead (kvlab.theory, live bytes above the weights); KV = final cache size"])
 
 
 def check_fits(p: dict, model=None) -> None:
-    """Raise TooBig when a normalized point's predicted peak exceeds the free memory of its device.
-
-    With `model` given its weights are already resident, so only the overhead has to fit. A point that
-    cannot be predicted (a hub id whose config cannot be loaded, a model type theory does not model) passes.
-    """
+    """Raise TooBig when a normalized point's predicted peak exceeds the free memory of its device. With `model`
+    given its weights are resident: only the overhead has to fit. A point that cannot be predicted passes."""
     free = free_bytes(p["device"])
     if free is None:
         return
-    if model is not None:
-        config = model.config
-    else:
-        try:
-            config = load_config(p["preset"], p["overrides"])
-        except ValueError:
-            if is_hub_id(p["preset"]):  # no config to predict from; loading the model will say why
-                return
-            raise
+    try:
+        config = model.config if model is not None else load_config(p["preset"], p["overrides"])
+    except ValueError:
+        if is_hub_id(p["preset"]):  # no config to predict from; loading the model will say why
+            return
+        raise
     if getattr(config, "model_type", None) not in MODELED:
         return
     weights = 0 if model is not None else model_weight_bytes(config, p["dtype"])

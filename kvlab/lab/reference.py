@@ -1,14 +1,10 @@
-"""The real thing: transformers' own `generate()`, measured with kvlab's meter, one release at a time.
+"""The real thing: transformers' own `generate()`, measured with kvlab's meter, one release at a time
+(`python -m kvlab measure --kind reference --cache tuple --loop v4.40` runs 4.40.1's).
 
-Releases older than the installed transformers 5 cannot share its process, so each is installed into
-its own folder (`pip --target`, no dependencies resolved, with the libraries it was released with)
-and runs in a subprocess with that folder first on PYTHONPATH. The installed 5.x runs in a
-subprocess too, through the same worker, so every reference is measured the same way: a fresh
-process that imports only `kvlab.meter` (plain torch), builds the preset with that release's own
-classes and prints one JSON record. From the command line, a reference point is a `measure`:
-
-    python -m kvlab measure --kind reference --cache tuple --loop v4.40     # transformers 4.40.1
-    python -m kvlab measure --kind reference --cache static --loop v5 --strategy beam
+An old release cannot share transformers 5's process: each is installed into its own folder (`pip --target`,
+no dependencies resolved, with the libraries it was released with). Every release, the installed 5.x too, runs
+in a fresh process (its folder first on PYTHONPATH) that imports only `kvlab.meter` (plain torch), builds the
+preset with that release's own classes and prints JSON records.
 """
 
 from __future__ import annotations
@@ -31,8 +27,6 @@ RELEASES = {
     "4.42.4": (ROOT / ".legacy-tf-4.42", ("transformers==4.42.4", "tokenizers==0.19.1", "huggingface-hub==0.23.4",
                                           "numpy==1.26.4", "safetensors==0.4.3")),
 }
-DEFAULT_TARGET = RELEASES["4.40.1"][0]  # where gpu/run.sh and the wheelhouse put 4.40.1
-
 # The config values that shape the memory; plain values, so any release's config class accepts them.
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "sliding_window",
@@ -54,8 +48,8 @@ def install_reference(version: str) -> Path | None:
         raise ValueError(f"unknown transformers release {version!r}; choose one of: {', '.join([*RELEASES, INSTALLED])}")
     target, pins = RELEASES[version]
     # Every pin's dist-info, not just transformers': an interrupted install must be redone.
-    wanted = [target / f"{pin.split('==')[0].replace('-', '_')}-{pin.split('==')[1]}.dist-info" for pin in pins]
-    if not all(path.exists() for path in wanted):
+    if not all((target / f"{name.replace('-', '_')}-{pinned}.dist-info").exists()
+               for name, pinned in (pin.split("==") for pin in pins)):
         print(f"installing {' '.join(pins)} into {target} (once, for reference points; needs a package index)",
               file=sys.stderr, flush=True)
         # --upgrade replaces a half-installed package; --no-deps keeps transformers 5's pins out of the folder.
@@ -82,8 +76,7 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
     defaults = dict({key: DEFAULTS[key] for key in REFERENCE_KEYS}, cache_implementation=None)
     specs = []
     for point in points:
-        unknown = set(point) - set(defaults)
-        if unknown:
+        if unknown := set(point) - set(defaults):
             raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))}; valid: {', '.join(defaults)}")
         p = {**defaults, **point}
         p["device"] = resolve_device(p["device"])
@@ -102,14 +95,12 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
         specs.append(dict(p, model_type=config.model_type, config=values))
     target = install_reference(version)
     path = [str(ROOT)] if target is None else [str(target), str(ROOT)]
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
-    result = subprocess.run([sys.executable, "-m", "kvlab.lab.reference", json.dumps(dict(version=version,
-                            points=specs))], env=env, capture_output=True, text=True, check=False)
+    result = subprocess.run([sys.executable, "-m", "kvlab.lab.reference", json.dumps(dict(version=version, points=specs))],
+                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)), capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"transformers {version} run failed:\n{result.stderr[-3000:]}")
-    records = json.loads(result.stdout.strip().splitlines()[-1])
     return [dict(record, overhead_over_kv=round(record["overhead_bytes"] / record["kv_final_bytes"], 4))
-            for record in records]
+            for record in json.loads(result.stdout.strip().splitlines()[-1])]
 
 
 def weights_digest(model) -> str:
@@ -147,16 +138,14 @@ def _measure_point(spec: dict) -> dict:
     from ..meter import MemoryMeter
 
     before_5 = int(transformers.__version__.split(".")[0]) < 5
-    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "fp32": torch.float32,
-             "fp16": torch.float16, "bf16": torch.bfloat16}[spec["dtype"]]
+    dtype = getattr(torch, {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(spec["dtype"], spec["dtype"]))
     config = AutoConfig.for_model(spec["model_type"], **spec["config"], attn_implementation="sdpa")
     config.eos_token_id = None  # never stop early: every run decodes exactly `new` tokens
     config.use_cache = True
     # As kvlab.models.build_model: seed, then build on the device (weights equal only if init order is).
     torch.manual_seed(spec["seed"])
     with torch.device(spec["device"]):
-        model = AutoModelForCausalLM.from_config(config, **{"torch_dtype" if before_5 else "dtype": dtype})
-    model.eval()
+        model = AutoModelForCausalLM.from_config(config, **{"torch_dtype" if before_5 else "dtype": dtype}).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
     # As kvlab.lab.point.measure draws the prompt; the prompt and its mask exist before the meter starts.
@@ -174,11 +163,10 @@ def _measure_point(spec: dict) -> dict:
         out = model.generate(ids, attention_mask=mask, **options)
     if out.shape != (spec["batch"], spec["prompt"] + spec["new"]):
         raise RuntimeError(f"generate() returned shape {tuple(out.shape)}, not (batch, prompt + new)")
-    report = meter.report()
-    tokens = out[:, spec["prompt"]:].tolist()
-    point = {k: v for k, v in spec.items() if k not in ("model_type", "config")}
-    return dict(point, baseline_bytes=report.baseline_bytes, peak_bytes=report.peak_bytes,
-                overhead_bytes=report.overhead_bytes, meter=report.method, weights_sha256=weights_digest(model),
+    report, tokens = meter.report(), out[:, spec["prompt"]:].tolist()
+    return dict({k: v for k, v in spec.items() if k not in ("model_type", "config")}, baseline_bytes=report.baseline_bytes,
+                peak_bytes=report.peak_bytes, overhead_bytes=report.overhead_bytes, meter=report.method,
+                weights_sha256=weights_digest(model),
                 tokens_sha256=hashlib.sha256(json.dumps(tokens).encode()).hexdigest(), tokens=tokens)
 
 

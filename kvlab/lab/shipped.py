@@ -10,12 +10,9 @@ import yaml
 
 def shipped_or_path(name: str | os.PathLike, folder: Path, what: str) -> Path:
     """`name` if it exists, else `folder/<stem>.yaml`; else a one-line error listing what `folder` ships."""
-    path = Path(name)
-    if path.exists():
-        return path
-    shipped = folder / f"{path.stem}.yaml"
-    if shipped.exists():
-        return shipped
+    for path in (Path(name), folder / f"{Path(name).stem}.yaml"):
+        if path.exists():
+            return path
     choices = ", ".join(sorted(p.stem for p in folder.glob("*.yaml")))
     raise ValueError(f"{what} file {str(name)!r} not found; give a path or one of: {choices}")
 

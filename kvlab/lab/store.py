@@ -1,15 +1,8 @@
-"""The results folder: each point's row kept on its own, the results table made from those rows, and a
-provenance log of every run.
-
-OUT/records/<point_id>.json holds a point's row, saved as the point ends: written to a temporary file,
-synced to disk, then renamed over the old one, so a kill or a full disk leaves the old row or the new one,
-never half of one, and loses at most the point being saved. OUT/results.csv is the table of those rows,
-rewritten the same way from them after every row. The table is never trusted on its own: one that is torn,
-truncated or not a results table is set aside (renamed, with a one-line notice naming it) and remade from
-the records; a table from before the records held rows has its rows saved as records the first time it is
-read. OUT/provenance.json logs each run (command, machine, versions, commit, timing). Several writers may
-share a folder (two sweeps, the Ray driver and a local sweep): every write holds a file lock (filelock),
-so none loses or duplicates another's row.
+"""The results folder: OUT/records/<point_id>.json, each point's row, saved whole as the point ends (a kill or a full
+disk loses at most that point); OUT/results.csv, the table remade from them after every row (a damaged one set
+aside and rebuilt, one from before the records had its rows saved as records); OUT/provenance.json, a log of every
+run. Every write holds a file lock, so writers sharing a folder (two sweeps, the Ray driver and a local sweep)
+never lose or duplicate each other's rows.
 """
 
 from __future__ import annotations
@@ -27,40 +20,28 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from .point import DEFAULTS
+from .point import DEFAULTS, RECORD_FIELDS
 
 # Fixed column order, so rows appended by different runs (and failure rows) stay aligned.
-SWEEP_COLUMNS = ["point_id", "status", "error", "started_at", "elapsed_s", "notebook"]
-PARAMETER_COLUMNS = list(DEFAULTS)
-RECORD_COLUMNS = [
-    "meter", "baseline_bytes", "peak_bytes", "overhead_bytes", "reserved_peak_bytes", "storages_peak_bytes",
-    "kv_final_bytes", "overhead_over_kv", "predicted_overhead_bytes", "prediction_error", "kv_at_peak_bytes",
-    "logits_at_peak_bytes", "other_at_peak_bytes", "seconds", "tokens_per_s", "graph_build_seconds", "device_name",
-    "torch_version",
-    "transformers_version", "kvlab_version", "python_version", "git_commit", "measured_at",
-]
-COLUMNS = SWEEP_COLUMNS + PARAMETER_COLUMNS + RECORD_COLUMNS
+COLUMNS = ["point_id", "status", "error", "started_at", "elapsed_s", "notebook", *DEFAULTS, *RECORD_FIELDS]
 STATUSES = ("ok", "oom", "too-big", "failed")
 # A point writes its executed notebook (tens of kB) and its row: a sweep refuses to start with less free.
 MIN_FREE_BYTES = 2**20
 
 
 def locked(path: str | os.PathLike) -> FileLock:
-    """The lock that every writer (and reader) of `path` holds.
-
-    It lives in this machine's temporary folder, named after the file's absolute path, not next to the file:
-    results folders are archived and committed as they are. It orders the writers of one machine, which is
-    where a sweep's driver writes for all its points (Ray's too).
-    """
+    """The lock every writer (and reader) of `path` holds. It lives in this machine's temporary folder, not next
+    to the file (results folders are archived and committed as they are), and orders the writers of one machine,
+    which is where a sweep's driver writes for all its points (Ray's too)."""
     folder = Path(tempfile.gettempdir()) / f"kvlab-locks-{os.getuid()}"
     folder.mkdir(exist_ok=True)
     return FileLock(folder / (hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:16] + ".lock"))
 
 
 def replace_text(path: str | os.PathLike, text: str) -> None:
-    """Replace the whole file at once and durably (a temporary file, synced, renamed, the folder synced):
-    a kill or a full disk leaves the old file or the new one. Callers hold `locked(path)`, so no other
-    writer shares the temporary file or slips in between their read and this write."""
+    """Replace the whole file at once and durably (a temporary file, synced, renamed, the folder synced): a kill
+    or a full disk leaves the old file or the new one. Callers hold `locked(path)`, so no other writer shares the
+    temporary file or slips in between their read and this write."""
     path = Path(path)
     temporary = path.with_name(path.name + ".tmp")
     try:
@@ -137,22 +118,6 @@ def _set_aside(path: Path, why: str, then: str) -> None:
     print(f"kvlab: {path} is damaged ({why}); kept as {aside.name}; {then}", file=sys.stderr)
 
 
-def _saved_rows(records: Path) -> dict[str, dict]:
-    """The rows saved in OUT/records/, oldest first. Other JSON there (records of kvlab versions that kept
-    the notebook's record there) is left alone; a file that does not parse is set aside."""
-    rows = {}
-    paths = sorted(records.glob("*.json"), key=lambda p: (p.stat().st_mtime_ns, p.name)) if records.is_dir() else []
-    for path in paths:
-        try:
-            row = json.loads(path.read_text())
-        except ValueError as error:  # not JSON, not text: a torn copy or a hand edit
-            _set_aside(path, f"not JSON: {error}", "its row comes from the table if it has one, else its point reruns")
-            continue
-        if isinstance(row, dict) and row.get("point_id") and row.get("status") in STATUSES:
-            rows[row["point_id"]] = row
-    return rows
-
-
 def _save_row(records: Path, row: dict) -> None:
     records.mkdir(exist_ok=True)
     replace_text(records / f"{row['point_id']}.json", json.dumps(row, indent=1, default=str) + "\n")
@@ -160,8 +125,16 @@ def _save_row(records: Path, row: dict) -> None:
 
 def _rows(path: Path) -> list[dict]:
     """The folder's rows in the table's order, the table checked against the records (hold the lock)."""
-    records = path.parent / "records"
-    saved = _saved_rows(records)
+    records, saved = path.parent / "records", {}
+    # Oldest first. Other JSON there (from kvlab versions that kept the notebook's record there) is left alone.
+    for record in sorted(records.glob("*.json"), key=lambda p: (p.stat().st_mtime_ns, p.name)):
+        try:
+            row = json.loads(record.read_text())
+        except ValueError as error:  # not JSON, not text: a torn copy or a hand edit
+            _set_aside(record, f"not JSON: {error}", "its row comes from the table if it has one, else its point reruns")
+            continue
+        if isinstance(row, dict) and row.get("point_id") and row.get("status") in STATUSES:
+            saved[row["point_id"]] = row
     table, damage = _table_rows(path)
     if damage and not saved:
         raise ValueError(f"{path} is damaged ({damage}) and {records} holds no rows to rebuild it from: "
@@ -239,7 +212,7 @@ def load_results(path: str | os.PathLike):
 
 def record_run(out: Path, command: str, points: int, counts: dict, started: datetime.datetime, device: str,
                **details) -> dict:
-    """Append this run (command, machine, versions, commit, timing, engine details) to OUT/provenance.json."""
+    """A sweep's `append_run`: how many points it had, and how many ended with each status."""
     return append_run(out, command, started, device, points_in_sweep=points, ran=counts, **details)
 
 

@@ -14,12 +14,11 @@ from .grid import SWEEPS_DIR, expand, load_sweep, merge_grid_items, point_id, po
 from .runner import POINT_NOTEBOOK
 from .store import rebuild
 
-DESCRIPTION = "Run a grid of experiment points with papermill: one fresh kernel per point, resumable, failures are rows."
-
 
 def build_parser() -> argparse.ArgumentParser:
     shipped = ", ".join(sorted(p.stem for p in SWEEPS_DIR.glob("*.yaml")))
-    parser = Parser(prog="python -m kvlab sweep", description=DESCRIPTION)  # one-line errors, as every verb
+    parser = Parser(prog="python -m kvlab sweep", description="Run a grid of experiment points with papermill: one "
+                    "fresh kernel per point, resumable, failures are rows.")  # one-line errors, as every verb
     parser.add_argument("sweep", nargs="?", help=f"sweep YAML (fixed: + grid:), a path or one of: {shipped}")
     parser.add_argument("--file", help="the same, as an option")
     parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
@@ -61,8 +60,7 @@ def main(argv=None) -> None:
             timeout = read_sweep(args.file).get("point_timeout_s")
         if timeout is not None and timeout < 1:
             raise ValueError(f"--point-timeout must be a positive number of seconds, got {timeout}")
-        name = Path(args.file).stem if args.file else "sweep"
-        out = Path(args.out or Path("results") / name)
+        out = Path(args.out or Path("results") / (Path(args.file).stem if args.file else "sweep"))
         if out.exists() and not out.is_dir():
             raise ValueError(f"--out {out} is a file; give a folder for the results")
         if args.rebuild:
