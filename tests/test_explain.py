@@ -128,3 +128,16 @@ def test_bad_choices_fail_before_building_anything():
         explain_point(engine="v9")
     with pytest.raises(ValueError, match="step needs the model"):
         explain(lambda: None, step=1)
+
+
+def test_the_command_line_prints_the_holders_and_refuses_bad_input_in_one_line(capsys):
+    from kvlab.lab.cli import main
+
+    main(["explain", "--new", "4"])  # the tuple design under v4.40 on the toy model
+    table = capsys.readouterr().out
+    assert table.startswith("peak ") and "generate: kv.layers[i].keys" in table
+    assert "TupleCache.round_trip: step_cache.layers[i].keys" in table
+    with pytest.raises(SystemExit) as exit_:
+        main(["explain", "--engine", "4.41.0"])
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.count("\n") == 1 and "choose one of: kvlab, installed, 4.40.1, 4.42.4" in err

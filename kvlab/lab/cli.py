@@ -1,4 +1,4 @@
-"""Command line: `python -m kvlab {measure,compare,predict,sweep,stream}`. Every error is one line, `kvlab VERB:
+"""Command line: `python -m kvlab {measure,compare,predict,explain,sweep,stream}`. Every error is one line, `kvlab VERB:
 error: ...` (argparse's own too), exit status 2 for bad input, before any model is built; so is a point predicted
 not to fit in its device's free memory (unless --force). stream serves encoder-decoders; the others, decoders.
 """
@@ -29,6 +29,8 @@ POINT_OPTIONS = {
     "block-tokens": "cache prealloc: tokens its buffers grow by", "seed": "weights, prompt and sampling",
     "device": "cpu, cuda, meta (counts without data) or auto (CUDA if present)", "dtype": "float32, bfloat16 or float16"}
 NUMBERS = ("batch", "prompt", "new", "restart-new", "num-beams", "chunk-limit", "block-tokens", "seed")
+# explain's point: small, since it runs twice under the live-storage counter (CPU).
+EXPLAIN_DEFAULTS = dict(preset="toy", cache="tuple", loop="v4.40", batch=2, prompt=16, new=8, dtype="float32", seed=0)
 # The rows of measure's table: (record field, what it is); a field the point has no value for is left out.
 TABLE = [("baseline_bytes", "weights (before decoding)"), ("peak_bytes", "peak"),
          ("overhead_bytes", "overhead = peak - weights"), ("kv_at_peak_bytes", "  KV cache, at the peak"),
@@ -102,6 +104,12 @@ def cmd_predict(args) -> None:
     print(json.dumps(result, indent=2) if args.json else format_prediction(result))
 
 
+def cmd_explain(args) -> None:
+    from ..explain import explain_point
+    options = {key: getattr(args, key) for key in (*EXPLAIN_DEFAULTS, "engine", "step")}
+    print(explain_point(overrides=args.override or None, **options).format())
+
+
 def cmd_compare(args) -> None:
     from .compare import run_compare
     run_compare(**{key: getattr(args, key) for key in ("device", "preset", "out", "new", "batch", "prompt", "dtype")})
@@ -168,6 +176,20 @@ def build_parser() -> argparse.ArgumentParser:
                          help="say whether each design fits in this much memory (e.g. 24GiB, 80GB, 512MiB, bytes)")
     predict.add_argument("--json", action="store_true", help="print the prediction, term by term, as JSON (bytes)")
 
+    explain = sub.add_parser("explain", help="who holds the bytes: the live tensors at a greedy run's peak, by what "
+                             "names them", description="Run one greedy point twice on the CPU under the live-storage "
+                             "counter; at its peak, list the live tensor storages grouped by the name that holds them "
+                             "(a frame's local, an attribute path, the op's own inputs and output), with bytes.")
+    for name, value in EXPLAIN_DEFAULTS.items():
+        number = dict(type=int, metavar="N") if isinstance(value, int) else {}
+        explain.add_argument(f"--{name}", default=value, **number, help=f"{POINT_OPTIONS[name]} (default: {value})")
+    explain.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
+    explain.add_argument("--engine", default="kvlab", help="kvlab (its loop, with --cache and --loop), installed "
+                         "(this transformers' own generate()), 4.40.1 or 4.42.4 (that release's own, in its folder) "
+                         "(default: kvlab)")
+    explain.add_argument("--step", type=int, default=None, metavar="N", help="the peak within forward N (0: the "
+                         "prompt's) instead of the whole run's (default: the whole run)")
+
     compare = sub.add_parser("compare", help="the tuple cache of <= 4.41 vs every later design, on the default device")
     compare.add_argument("--device", default="auto", help="cpu, cuda or auto (CUDA if present) (default: auto)")
     compare.add_argument("--preset", default=None, help="a decoder preset, config.json or hub id (default: "
@@ -179,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "(--engine local|ray --address ...)", add_help=False)
     sweep.add_argument("rest", nargs=argparse.REMAINDER)
     _stream_arguments(sub.add_parser("stream", help="serve a stream of encoder-decoder requests with each cache design"))
-    commands = dict(measure=cmd_measure, predict=cmd_predict, compare=cmd_compare, sweep=cmd_sweep, stream=cmd_stream)
+    commands = dict(measure=cmd_measure, predict=cmd_predict, explain=cmd_explain, compare=cmd_compare, sweep=cmd_sweep,
+                    stream=cmd_stream)
     for name, verb in sub.choices.items():
         verb.set_defaults(func=commands[name])
     return parser
