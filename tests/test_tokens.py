@@ -29,8 +29,10 @@ def test_greedy_matches_generate_with_grouped_query_attention(toy_gqa, prompt, c
 
 @pytest.mark.parametrize("cache", CACHES)
 def test_greedy_matches_generate_in_bfloat16(toy_bf16, prompt, cache):
-    # bf16 logits: v5 never upcasts them in the forward, v4.42 does; the argmax must not change.
-    expected = reference(toy_bf16, prompt, 16)
+    # bf16 logits: v5 never upcasts them in the forward, v4.42 does; the argmax must not change. A static cache
+    # attends over its whole padded length, which rounds differently in bf16: transformers' own static generate()
+    # departs from its dynamic one here, and the static design is held to the former.
+    expected = reference(toy_bf16, prompt, 16, **({"cache_implementation": "static"} if cache == "static" else {}))
     for loop in LOOPS:
         assert torch.equal(generate(toy_bf16, prompt, 16, cache=cache, loop=loop).tokens, expected), loop
 
