@@ -1,10 +1,8 @@
-"""The Ray engine: one Ray task per point, on a local Ray instance that listens on 127.0.0.1 only, or on a cluster
-(`--address auto`, `ray://HEAD:10001`: docs/cluster.md). Each task runs the point notebook under papermill in a
-fresh kernel, in a scratch folder of the node Ray picks, and returns its row and executed notebook, which the
-driver writes into OUT (nodes need kvlab installed, not a shared file system). A task asks for one GPU for a CUDA
-point, else one CPU (`num_gpus`/`num_cpus` override; 0.25 GPU lets four points share a card); tasks that would
-wait forever for a GPU the cluster lacks are refused up front. Ctrl-C (or SIGTERM) stops the tasks still running;
-the rows already written stay, and a rerun resumes.
+"""The Ray engine: one Ray task per point, on a local Ray instance (127.0.0.1 only) or a cluster (`--address auto`,
+`ray://HEAD:10001`: docs/cluster.md). A task runs the point notebook under papermill in a fresh kernel on its node
+and returns its row and executed notebook for the driver to write into OUT (nodes need kvlab, not a shared file
+system). It asks for a GPU for a CUDA point, else a CPU (`num_gpus`/`num_cpus` override); a sweep whose tasks would
+wait forever for a GPU the cluster lacks is refused. Ctrl-C or SIGTERM stops the running tasks; written rows stay.
 """
 
 from __future__ import annotations
@@ -25,25 +23,29 @@ def point_resources(params: dict, num_cpus: float | None = None, num_gpus: float
                 num_gpus=(1 if cuda else 0) if num_gpus is None else num_gpus)
 
 
-def start_local_ray(**options) -> None:
-    """Start a Ray instance for this process, on 127.0.0.1 only and without a dashboard: whoever reaches Ray's ports
-    can run code here. (Ray on Linux swaps 127.0.0.1 for the machine's network address unless clusters are off.)"""
+def init_ray(address: str | None = None, **options) -> None:
+    """Connect this process to the Ray cluster at `address` or, without one, start a Ray instance on 127.0.0.1 only,
+    without a dashboard: whoever reaches Ray's ports can run code here. (Ray on Linux swaps 127.0.0.1, of a node or
+    an address, for the machine's network address unless clusters are off: off for a loopback instance.)"""
     import ray
-    from ray._private import ray_constants
-    clusters, ray_constants.ENABLE_RAY_CLUSTER = ray_constants.ENABLE_RAY_CLUSTER, False
+    from ray._private import ray_constants as constants
+    if address is None:
+        options.update(_node_ip_address="127.0.0.1", include_dashboard=False, dashboard_host="127.0.0.1")
+    loopback = address is None or address.split("://")[-1].rsplit(":", 1)[0] in ("127.0.0.1", "localhost")
+    clusters, constants.ENABLE_RAY_CLUSTER = constants.ENABLE_RAY_CLUSTER, constants.ENABLE_RAY_CLUSTER and not loopback
     try:
-        ray.init(_node_ip_address="127.0.0.1", include_dashboard=False, dashboard_host="127.0.0.1",
-                 logging_level=logging.ERROR, log_to_driver=False, **options)
+        ray.init(address, logging_level=logging.ERROR, log_to_driver=False, **options)
     finally:
-        ray_constants.ENABLE_RAY_CLUSTER = clusters
+        constants.ENABLE_RAY_CLUSTER = clusters
 
 
 def hold_interrupts(caught: list, saved: dict) -> None:
     """Note Ctrl-C and SIGTERM in `caught` (main thread only) until `saved` is restored: raised inside a Ray call or
     ray.shutdown, KeyboardInterrupt can crash Ray's C++ core. Again after ray.init, whose SIGTERM handler exits."""
     if threading.current_thread() is threading.main_thread():
-        for number in (signal.SIGINT, signal.SIGTERM):
-            saved.setdefault(number, signal.signal(number, lambda number, frame: caught.append(number)))
+        for number in (signal.SIGINT, signal.SIGTERM):  # one ignored (nohup, a background job) stays ignored
+            ignored = saved.setdefault(number, signal.getsignal(number)) is signal.SIG_IGN
+            signal.signal(number, signal.SIG_IGN if ignored else lambda number, frame: caught.append(number))
 
 
 def run_point_task(params: dict, notebook_text: str, kernel_name: str | None = None, timeout: int | None = None):
@@ -57,26 +59,24 @@ def run_point_task(params: dict, notebook_text: str, kernel_name: str | None = N
         return row, executed.read_text() if executed and executed.exists() else None
 
 
-def run_on_ray(todo: list[dict], out: Path, notebook: Path, kernel_name: str | None = None,
-               point_timeout: int | None = None, *,
+def run_on_ray(todo: list[dict], out: Path, notebook: Path, kernel_name=None, point_timeout=None, *,
                address: str | None = None, num_cpus: float | None = None, num_gpus: float | None = None):
     """Submit every point as a task and yield each row as its task ends. Uses the Ray instance of this process if
-    there is one, else connects to `address` ("auto", "ray://host:port") or starts a local one, stopped at the end."""
+    there is one, else `init_ray(address)`: an instance started here is stopped at the end."""
     try:
         import ray
     except ImportError:
         raise ValueError("the ray engine needs Ray: pip install 'kvlab[ray]'") from None
-    if not todo:
+    if not todo:  # nothing to run: no Ray to start
         return
     started_here, pending, caught, saved = not ray.is_initialized(), {}, [], {}
     hold_interrupts(caught, saved)
     try:
         if started_here:
-            ray.init(address=address, logging_level=logging.ERROR, log_to_driver=False) if address else start_local_ray()
+            init_ray(address)
             hold_interrupts(caught, saved)
         needed = max(point_resources(p, num_cpus, num_gpus)["num_gpus"] for p in todo)
-        available = ray.cluster_resources().get("GPU", 0)
-        if needed > available:
+        if needed > (available := ray.cluster_resources().get("GPU", 0)):
             raise ValueError(f"CUDA points need {needed:g} GPU per task but the Ray cluster has {available:g} GPUs: "
                              f"its tasks would wait forever; run on a cluster with GPUs (--address) or pass --num-gpus 0")
         task, notebook_text = ray.remote(run_point_task), Path(notebook).read_text()

@@ -21,7 +21,7 @@ import pytest
 from kvlab.lab.engines import run_sweep
 from kvlab.lab.grid import expand, point_id, validate
 from kvlab.lab.store import append_row, load_results
-from kvlab.lab.ray_engine import point_resources, start_local_ray
+from kvlab.lab.ray_engine import init_ray, point_resources
 
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
@@ -36,7 +36,7 @@ INTERRUPTED = "kvlab sweep: interrupted; rerun the same command to resume"
 def cluster():
     """A local Ray instance with 2 CPUs and no GPU, started by kvlab's own function; its address, for drivers
     in other processes."""
-    start_local_ray(num_cpus=2, num_gpus=0)
+    init_ray(num_cpus=2, num_gpus=0)
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
 
