@@ -103,12 +103,12 @@ def test_every_ray_process_listens_on_loopback_only(cluster):
 def test_interrupted_again_and_again_then_resumed_gives_one_ok_row_per_point(cluster, tmp_path):
     """Ctrl-C or SIGTERM of a Ray sweep, five times at different moments, on the module's instance and on the
     local instance a sweep starts itself: each time exit 130 and one line, rows kept; then a rerun completes it."""
-    grid = {**TINY, "cache": "tuple,dynamic", "new": "2,3,4,5"}
+    grid = {**TINY, "cache": "tuple,dynamic", "new": "2,3,4"}
     records = tmp_path / "records"
     saved = lambda: len(list(records.glob("*.json")))  # a point's row, saved whole (renamed into place)
-    rounds = [  # (start Ray itself?, signal, sent when): after a row is saved, or once a task runs a point
+    rounds = [  # (start Ray itself?, signal, sent when): as a row is saved, or once a task runs a point
         (False, signal.SIGINT, "row"), (False, signal.SIGTERM, "task"), (False, signal.SIGINT, "task"),
-        (False, signal.SIGINT, "row"), (True, signal.SIGINT, "row")]
+        (False, signal.SIGINT, "task"), (True, signal.SIGINT, "row")]
     for local, number, moment in rounds:
         command = sweep_command(tmp_path, grid, "--engine", "ray", *([] if local else ["--address", cluster]))
         before, workers_before = saved(), point_workers(os.getpid())
@@ -129,23 +129,23 @@ def test_interrupted_again_and_again_then_resumed_gives_one_ok_row_per_point(clu
             if driver.poll() is None:
                 os.killpg(driver.pid, signal.SIGKILL)
         assert driver.returncode == 130 and stderr.splitlines()[-1] == INTERRUPTED, stderr
-        assert "unexpected system" not in stderr and "Traceback" not in stderr, stderr
+        assert not any(crash in stderr for crash in ("unexpected system", "Check failed", "Traceback")), stderr
         table = load_results(tmp_path / "results.csv")  # a valid table of the points that ended
         assert len(table) == saved() >= before and (table["status"] == "ok").all() and table["point_id"].is_unique
-    assert saved() < 8, "every point ended before the last interrupt"
+    assert saved() < 6, "every point ended before the last interrupt"
 
     # The same grid again, from this process on the module's instance: only the missing points run.
-    points = expand(dict(TINY), {"cache": ["tuple", "dynamic"], "new": [2, 3, 4, 5]})
+    points = validate(expand(dict(TINY), {"cache": ["tuple", "dynamic"], "new": [2, 3, 4]}))
     table = run_sweep(points, tmp_path, engine="ray", progress=False)
-    assert len(table) == 8 and table["point_id"].is_unique and (table["status"] == "ok").all()
+    assert len(table) == 6 and table["point_id"].is_unique and (table["status"] == "ok").all()
     assert sorted(table["point_id"]) == sorted(point_id(p) for p in points)
     assert (table["overhead_bytes"] > 0).all() and (table["kv_final_bytes"] > 0).all()
     # Executed notebooks and records came back from the tasks into the folder, one per point.
     assert sorted(p.stem for p in (tmp_path / "notebooks").glob("*.ipynb")) == \
         sorted(Path(n).stem for n in table["notebook"])
-    assert saved() == 8
+    assert saved() == 6
     runs = sweep_runs(tmp_path)  # every run that saved rows is logged, and no point was counted twice
-    assert {run["engine"] for run in runs} == {"ray"} and sum(run["ran"]["ok"] for run in runs) == 8
+    assert {run["engine"] for run in runs} == {"ray"} and sum(run["ran"]["ok"] for run in runs) == 6
 
 
 @pytest.mark.parametrize("engine", ["ray", "local"])
