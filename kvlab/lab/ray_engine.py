@@ -1,13 +1,13 @@
 """The Ray engine: one Ray task per point, on a local Ray instance (127.0.0.1 only) or a cluster (`--address auto`,
-`ray://HEAD:10001`: docs/cluster.md). A task runs the point notebook under papermill in a fresh kernel on its node
-and returns its row and executed notebook for the driver to write into OUT (nodes need kvlab, not a shared file
-system). It asks for a GPU for a CUDA point, else a CPU (`num_gpus`/`num_cpus` override); a sweep whose tasks would
-wait forever for a GPU the cluster lacks is refused. Ctrl-C or SIGTERM stops the running tasks; written rows stay.
+`ray://HEAD:10001`: docs/cluster.md). A task runs the point notebook under papermill in a fresh kernel on its node and
+returns its row and executed notebook for the driver to write into OUT; it asks for a GPU for a CUDA point, else a CPU
+(a sweep whose tasks would wait forever for a GPU the cluster lacks is refused). Ctrl-C or SIGTERM stops the tasks.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import tempfile
 import threading
@@ -16,19 +16,19 @@ from pathlib import Path
 
 from .runner import kernel_environment, mark_failed, new_row, run_one
 
+
 def point_resources(params: dict, num_cpus: float | None = None, num_gpus: float | None = None) -> dict:
     """The Ray resources of one point's task: a GPU for a CUDA point, a CPU for the rest, unless overridden."""
     cuda = str(params["device"]).startswith("cuda")
-    return dict(num_cpus=1 if num_cpus is None else num_cpus,
-                num_gpus=(1 if cuda else 0) if num_gpus is None else num_gpus)
+    return dict(num_cpus=1 if num_cpus is None else num_cpus, num_gpus=int(cuda) if num_gpus is None else num_gpus)
 
 
 def init_ray(address: str | None = None, **options) -> None:
-    """Connect this process to the Ray cluster at `address` or, without one, start a Ray instance on 127.0.0.1 only,
-    without a dashboard: whoever reaches Ray's ports can run code here. (Ray on Linux swaps 127.0.0.1, of a node or
-    an address, for the machine's network address unless clusters are off: off for a loopback instance.)"""
+    """Connect to the Ray cluster at `address` (else $RAY_ADDRESS's) or start one on 127.0.0.1 only, without a dashboard
+    (whoever reaches Ray's ports runs code here); Ray's cluster mode off meanwhile, or it swaps in the network address."""
     import ray
     from ray._private import ray_constants as constants
+    address = address or os.environ.get("RAY_ADDRESS")
     if address is None:
         options.update(_node_ip_address="127.0.0.1", include_dashboard=False, dashboard_host="127.0.0.1")
     loopback = address is None or address.split("://")[-1].rsplit(":", 1)[0] in ("127.0.0.1", "localhost")
@@ -67,7 +67,7 @@ def run_on_ray(todo: list[dict], out: Path, notebook: Path, kernel_name=None, po
         import ray
     except ImportError:
         raise ValueError("the ray engine needs Ray: pip install 'kvlab[ray]'") from None
-    if not todo:  # nothing to run: no Ray to start
+    if not todo:  # nothing to run: no Ray started
         return
     started_here, pending, caught, saved = not ray.is_initialized(), {}, [], {}
     hold_interrupts(caught, saved)
