@@ -25,7 +25,7 @@ def point_resources(params: dict, num_cpus: float | None = None, num_gpus: float
 
 def init_ray(address: str | None = None, **options) -> None:
     """Connect to the Ray cluster at `address` (else $RAY_ADDRESS's) or start one on 127.0.0.1 only, without a dashboard
-    (whoever reaches Ray's ports runs code here); Ray's cluster mode off meanwhile, or it swaps in the network address."""
+    (whoever reaches Ray's ports runs code here); Ray's cluster mode off meanwhile, else it swaps in the network IP."""
     import ray
     from ray._private import ray_constants as constants
     address = address or os.environ.get("RAY_ADDRESS")
@@ -40,8 +40,8 @@ def init_ray(address: str | None = None, **options) -> None:
 
 
 def hold_interrupts(caught: list, saved: dict) -> None:
-    """Note Ctrl-C and SIGTERM in `caught` (main thread only) until `saved` is restored: raised inside a Ray call or
-    ray.shutdown, KeyboardInterrupt can crash Ray's C++ core. Again after ray.init, whose SIGTERM handler exits."""
+    """Note Ctrl-C and SIGTERM in `caught` (main thread only) until `saved` is restored: the driver stops Ray in order,
+    between Ray calls, not wherever a signal lands (a second Ctrl-C too). Again after ray.init, which sets its own."""
     if threading.current_thread() is threading.main_thread():
         for number in (signal.SIGINT, signal.SIGTERM):  # one ignored (nohup, a background job) stays ignored
             ignored = saved.setdefault(number, signal.getsignal(number)) is signal.SIG_IGN
@@ -98,10 +98,10 @@ def run_on_ray(todo: list[dict], out: Path, notebook: Path, kernel_name=None, po
                                elapsed_s=round(time.perf_counter() - submitted, 2))
                 yield row
     finally:  # an interrupt, an error or a closed generator: stop what still runs, then Ray if started here
-        if pending:  # force: a worker is killed, not sent a KeyboardInterrupt somewhere inside papermill
+        if pending:  # force: each worker killed, not sent a KeyboardInterrupt somewhere inside papermill
             for ref in ray.wait(list(pending), num_returns=len(pending), timeout=0)[1]:
                 ray.cancel(ref, force=True)
-            ray.wait(list(pending), num_returns=len(pending), timeout=60)  # every task settled before Ray stops
+            ray.wait(list(pending), num_returns=len(pending), timeout=60)  # all settled: a late reply crashes Ray
         if started_here:
             ray.shutdown()
         for number, handler in saved.items():
