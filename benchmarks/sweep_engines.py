@@ -22,7 +22,6 @@ number of workers for points long enough that their start does not dominate.
 """
 
 import argparse
-import logging
 import os
 import tempfile
 import time
@@ -30,6 +29,7 @@ from pathlib import Path
 
 from kvlab.lab.grid import expand, validate
 from kvlab.lab.engines import run_sweep
+from kvlab.lab.ray_engine import init_ray
 
 
 def grid(new: list[int]) -> list[dict]:
@@ -59,7 +59,7 @@ def main():
     print(f"{len(points)} points (toy preset, fp32, cpu, batch 1, prompt 32, new {args.new}, caches tuple and "
           f"dynamic); {os.cpu_count()} cores; load average before: {os.getloadavg()[0]:.2f}")
     start = time.perf_counter()
-    ray.init(num_cpus=args.workers, logging_level=logging.ERROR, log_to_driver=False)
+    init_ray(num_cpus=args.workers)  # as a sweep starts one: on 127.0.0.1 only
     print(f"Ray {ray.__version__} cluster with {args.workers} CPUs started in {time.perf_counter() - start:.1f} s "
           f"(not counted below)")
     seconds = {"local": [], "ray": []}

@@ -67,8 +67,10 @@ def run_sweep(points_or_grid, out, *, fixed: dict | None = None, notebook: str |
     done = done_point_ids(results)  # the table checked against the records, rebuilt if damaged
     todo = [p for p in points if point_id(p) not in done]
     if progress and len(todo) < len(points):
-        print(f"{len(points) - len(todo)} of {len(points)} points already in {results}; running the other {len(todo)}",
-              file=sys.stderr)
+        print(f"{len(points) - len(todo)} of {len(points)} points already in {results}; "
+              + (f"running the other {len(todo)}" if todo else "nothing to run"), file=sys.stderr)
+    if not todo:  # a finished sweep: no engine is started (a local Ray instance takes seconds)
+        return load_results(results)
     counts = dict.fromkeys(STATUSES, 0)
     started = datetime.datetime.now(datetime.timezone.utc)
     options = {key: value for key, value in engine_options.items() if value is not None}
