@@ -88,6 +88,7 @@ def test_one_cache_object_holds_one_cache(toy):
     assert not held_by(explanation, r".*step_cache.*")
 
 
+@pytest.mark.slow  # a release install and a subprocess: make test-all
 def test_release_4_40_1_generate_holds_two_caches():
     try:
         install_reference("4.40.1")

@@ -233,6 +233,7 @@ def test_time_variants_keeps_every_repeat_and_its_median(toy, prompt):
     assert set(median) == {variants[0]} and median[variants[0]] > 0
 
 
+@pytest.mark.slow  # the CLI around the runtimes: machinery, for make test-all
 def test_cli_measures_a_runtime_and_refuses_a_design_it_cannot_carry():
     run = lambda *args: subprocess.run([sys.executable, "-m", "kvlab", "measure", *args], capture_output=True,  # noqa: E731
                                        text=True, timeout=300)
