@@ -6,11 +6,13 @@ not to fit in its device's free memory (unless --force). stream serves encoder-d
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import sys
 from pathlib import Path
 
 from ..caches import CACHES
+from ..explain import explain_point
 from ..loops import LOOPS, STRATEGIES
 from ..models import DECODERS
 from .point import DEFAULTS, DESIGNS, KINDS
@@ -29,8 +31,9 @@ POINT_OPTIONS = {
     "block-tokens": "cache prealloc: tokens its buffers grow by", "seed": "weights, prompt and sampling",
     "device": "cpu, cuda, meta (counts without data) or auto (CUDA if present)", "dtype": "float32, bfloat16 or float16"}
 NUMBERS = ("batch", "prompt", "new", "restart-new", "num-beams", "chunk-limit", "block-tokens", "seed")
-# explain's point: small, since it runs twice under the live-storage counter (CPU).
-EXPLAIN_DEFAULTS = dict(preset="toy", cache="tuple", loop="v4.40", batch=2, prompt=16, new=8, dtype="float32", seed=0)
+# explain's point options and their defaults, as explain_point declares them (small: it runs twice on the CPU).
+EXPLAIN_DEFAULTS = {name: p.default for name, p in inspect.signature(explain_point).parameters.items()
+                    if name in ("preset", "cache", "loop", "batch", "prompt", "new", "dtype", "seed")}
 # The rows of measure's table: (record field, what it is); a field the point has no value for is left out.
 TABLE = [("baseline_bytes", "weights (before decoding)"), ("peak_bytes", "peak"),
          ("overhead_bytes", "overhead = peak - weights"), ("kv_at_peak_bytes", "  KV cache, at the peak"),
@@ -105,7 +108,6 @@ def cmd_predict(args) -> None:
 
 
 def cmd_explain(args) -> None:
-    from ..explain import explain_point
     options = {key: getattr(args, key) for key in (*EXPLAIN_DEFAULTS, "engine", "step")}
     print(explain_point(overrides=args.override or None, **options).format())
 

@@ -105,7 +105,7 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
           f"batch {first['batch']}, prompt {first['prompt']}, {first['new']} new tokens, greedy; "
           f"final KV cache {first['kv_final_bytes'] / MIB:.1f} MiB")
     if device == "cpu" and sizes.get("batch") is None:
-        print("(batch 2, not the PR's 8: overhead/KV is flat in batch, as the cpu-batch sweep measured at 1, 4 and 8; "
+        print(f"(batch {first['batch']}, not the PR's 8: overhead/KV is flat in batch, as the cpu-batch sweep measured at 1, 4 and 8; "
               "--batch 8 runs the PR's shape)")
     print(table.to_string(index=False))
     baseline = longest[(longest["cache"] == "tuple") & (longest["loop"] == "v4.40")]["overhead_bytes"]
