@@ -3,6 +3,17 @@ import torch
 
 from kvlab.models import build_model
 
+# `make test` runs two pytest-xdist workers (--dist loadgroup). A module fixture is built once per worker that runs
+# one of its tests: the tests of each costly one share a group, so it is built once (a Colab-like virtual
+# environment, a minute of decoding).
+COSTLY_FIXTURES = {"cache_dominated", "twin_records", "probed", "records", "t5", "colab"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for name in sorted(COSTLY_FIXTURES & set(item.fixturenames)):
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{name}"))
+
 
 @pytest.fixture(scope="session")
 def toy():
