@@ -13,7 +13,7 @@ import transformers
 from kvlab.lab import reference
 from kvlab.loops import generate
 from kvlab.lab.point import run_point
-from kvlab.models import build_model
+from kvlab.models import assert_varied, build_model
 from kvlab.lab.reference import INSTALLED, ReferenceInstallError, install_reference, measure_references, weights_digest
 
 # Small enough for a 2-core CPU (one subprocess per release runs all of its points), long enough that
@@ -153,4 +153,5 @@ def test_kvlab_loop_matches_the_release(pair, point):
                            generator=torch.Generator().manual_seed(0))
     out = generate(model, prompt, SIZE["new"], strategy=point["strategy"], num_beams=BEAMS, **design)
     rows = out.tokens[::BEAMS] if point["strategy"] == "beam" else out.tokens  # the best beam comes first
+    assert_varied(real["tokens"])
     assert rows[:, SIZE["prompt"]:].tolist() == real["tokens"]
