@@ -34,7 +34,8 @@ CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_att
                "use_sliding_window", "initializer_range")
 STRATEGIES = ("greedy", "beam")
 # A reference point's parameters: these of kvlab.lab.point's, with its defaults, and the cache_implementation.
-REFERENCE_KEYS = ("preset", "overrides", "batch", "prompt", "new", "dtype", "strategy", "num_beams", "device", "seed")
+REFERENCE_KEYS = ("preset", "overrides", "batch", "prompt", "new", "restart_new", "dtype", "strategy", "num_beams",
+                  "device", "seed")
 
 
 class ReferenceInstallError(RuntimeError):
@@ -85,6 +86,9 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
             raise ValueError(f"unknown strategy {p['strategy']!r}; choose one of: {', '.join(STRATEGIES)}")
         if p["cache_implementation"] is not None and version in RELEASES:
             raise ValueError(f"cache_implementation is for the installed 5.x; {version} only has its default cache")
+        if p["restart_new"] and (version not in RELEASES or p["strategy"] != "greedy"):
+            raise ValueError(f"a restart passes back the tuples a 4.x release returns, greedy; choose one of: "
+                             f"{', '.join(RELEASES)}")
         parse_dtype(p["dtype"])
         config = build_config(p["preset"], p["overrides"])  # raises on a bad preset or override, before any subprocess
         values = {key: getattr(config, key) for key in CONFIG_KEYS if hasattr(config, key)}
@@ -92,7 +96,7 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
         values["rope_theta"] = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         p["overrides"] = ",".join(f"{k}={v}" for k, v in parse_overrides(p["overrides"]).items())  # as kvlab's records
         p["num_beams"] = p["num_beams"] if p["strategy"] == "beam" else 1
-        p["kv_final_bytes"] = kv_bytes_per_token(config, p["batch"] * p["num_beams"], p["dtype"]) * (p["prompt"] + p["new"])
+        p["kv_final_bytes"] = kv_bytes_per_token(config, p["batch"] * p["num_beams"], p["dtype"]) * (p["prompt"] + p["new"] + p["restart_new"])
         specs.append(dict(p, model_type=config.model_type, config=values))
     target = install_reference(version)
     path = [str(ROOT)] if target is None else [str(target), str(ROOT)]
@@ -161,8 +165,17 @@ def _measure_point(spec: dict) -> dict:
         options["cache_implementation"] = spec["cache_implementation"]
     gc.collect()  # nothing of the previous point may die inside this one's meter
     with torch.inference_mode(), MemoryMeter(spec["device"], model) as meter:
-        out = model.generate(ids, attention_mask=mask, **options)
-    if out.shape != (spec["batch"], spec["prompt"] + spec["new"]):
+        if spec["restart_new"]:
+            # As the PR's restart example: the caller holds `first` and passes back its past_key_values, which
+            # 4.x's generate() returns as tuples (4.42: return_legacy_cache=True by default).
+            first = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **options)
+            ids, more = first.sequences, spec["restart_new"]
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=first.past_key_values,
+                                 **dict(options, max_new_tokens=more, min_new_tokens=more))
+            del first
+        else:
+            out = model.generate(ids, attention_mask=mask, **options)
+    if out.shape != (spec["batch"], spec["prompt"] + spec["new"] + spec["restart_new"]):
         raise RuntimeError(f"generate() returned shape {tuple(out.shape)}, not (batch, prompt + new)")
     report, tokens = meter.report(), out[:, spec["prompt"]:].tolist()
     return dict({k: v for k, v in spec.items() if k not in ("model_type", "config")}, baseline_bytes=report.baseline_bytes,
