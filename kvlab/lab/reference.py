@@ -37,6 +37,20 @@ STRATEGIES = ("greedy", "beam")
 REFERENCE_KEYS = ("preset", "overrides", "batch", "prompt", "new", "restart_new", "dtype", "strategy", "num_beams",
                   "device", "seed")
 
+# Where the releases differ most, each run by kvlab's loop and by the release's own generate() (kind reference):
+# the 4.x forward's fp32 logits of every prompt position at the peak (the Llama-3-8B twin's 4008-token vocabulary),
+# 4.42's default restart from the tuples it returned, and the Mistral twin at 2 new tokens, whose
+# tuple/v4.40 over dynamic/v4.42 is the PR's "minimal improvement". scripts/reference_points.py writes them to
+# data/reference/; tests/test_reference.py holds each within 1 %.
+SHOWCASE = {
+    "logits": dict(preset="llama3-8b-twin", cache="dynamic", loop="v4.42", prompt=300, new=8),
+    "restart": dict(preset="llama2-7b-twin", cache="dynamic", loop="v4.42", prompt=300, new=100, restart_new=50,
+                    restart_from="tuples"),
+    "minimal-before": dict(preset="mistral-7b-twin", cache="tuple", loop="v4.40", prompt=300, new=2),
+    "minimal-after": dict(preset="mistral-7b-twin", cache="dynamic", loop="v4.42", prompt=300, new=2),
+}
+SHOWCASE_COMMON = dict(dtype="bfloat16", batch=1, strategy="greedy", device="cpu", timing=False)
+
 
 class ReferenceInstallError(RuntimeError):
     """pip could not install a release (no package index reachable, or no wheel for this Python)."""
