@@ -103,11 +103,12 @@ def _forward_of(model, release: Release, meter=None):
     config, before = model.config, model.config._attn_implementation
     if before == "sdpa":
         config._attn_implementation = REPEAT_KV_ATTENTION
+
     def upcast(module, args, logits):
-        upcast = logits.float()
+        full = logits.float()
         if meter is not None:
-            meter.label((logits, upcast), "logits")
-        return upcast
+            meter.label((logits, full), "logits")
+        return full
 
     hook = model.get_output_embeddings().register_forward_hook(upcast)
     try:
