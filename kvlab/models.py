@@ -64,6 +64,23 @@ def _twin(name: str) -> tuple[type, dict]:
 TWINS = {f"{name}-twin": name for name in ("llama2-7b", "mistral-7b", "llama3-8b")}
 DECODERS.update({twin: _twin(name) for twin, name in TWINS.items()})
 
+# Random weights at transformers' default std (initializer_range 0.02) decode one token over and over: in our
+# measurement every position's logits share one dominant direction (cosine 0.4-0.5 with their mean on `toy` and
+# the Llama-2 twin), so greedy and beam rows repeat 1-3 tokens and "same tokens" proves little. At 0.1 the
+# context moves the argmax and rows are varied. Weights' values change no byte count.
+RANDOM_INIT_STD = 0.1
+for _, values in DECODERS.values():
+    values["initializer_range"] = RANDOM_INIT_STD
+
+
+def assert_varied(new_tokens, least: float = 0.5) -> None:
+    """Fail unless every row of generated tokens (a tensor or lists, the prompt left out) has at least `least` of
+    its tokens distinct: a check that two decoders agree means little if both repeat one token."""
+    rows = new_tokens.tolist() if hasattr(new_tokens, "tolist") else [list(row) for row in new_tokens]
+    distinct = [len(set(row)) for row in rows]
+    assert rows and all(count >= max(2, least * len(row)) for count, row in zip(distinct, rows)), (
+        f"degenerate output: distinct tokens per row {distinct} of {[len(row) for row in rows]}; first row {rows[0]}")
+
 # T5Config() and WhisperConfig() default to google-t5/t5-small and openai/whisper-tiny; BartConfig() to
 # bart-large's widths. Their start and pad tokens are the checkpoints' own.
 ENCODER_DECODERS: dict[str, tuple[type, dict]] = {

@@ -6,11 +6,23 @@ import torch
 from kvlab.caches import CACHES, make_cache
 from kvlab.compat import cache_argument
 from kvlab.loops import LOOPS, Sampling, generate
+from kvlab.models import assert_varied, build_model
 
 
 def reference(model, prompt, new, **kwargs):
-    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
-                          do_sample=False, **kwargs)
+    """transformers' own generate(), its generated tokens checked for variety first (assert_varied)."""
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, **kwargs)
+    assert_varied(out[:, prompt.shape[1]:])
+    return out
+
+
+def test_the_variety_check_fails_on_a_degenerate_model(prompt):
+    # transformers' default init (std 0.02) decodes a token or two over and over, greedy and beam alike.
+    degenerate = build_model("toy", "initializer_range=0.02")
+    for options in (dict(), dict(num_beams=4)):
+        with pytest.raises(AssertionError, match="degenerate output"):
+            reference(degenerate, prompt, 24, **options)
 
 
 @pytest.mark.parametrize("loop", LOOPS)
@@ -65,6 +77,7 @@ def test_restart_from_a_held_cache_continues_the_same_sequence(toy, prompt, cach
     whole = generate(toy, prompt, 20, cache=cache, cache_options={"max_cache_len": 32})
     first = generate(toy, prompt, 12, cache=cache, cache_options={"max_cache_len": 32})
     second = generate(toy, first.tokens, 8, cache=cache, past=first.cache)
+    assert_varied(whole.tokens[:, prompt.shape[1]:])
     assert torch.equal(second.tokens, whole.tokens)
 
 
@@ -72,6 +85,7 @@ def test_seeded_sampling_is_reproducible_and_cache_independent(toy, prompt):
     runs = [generate(toy, prompt, 16, cache=cache, strategy="sample",
                      sampling=Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)).tokens
             for cache in ("tuple", "dynamic", "prealloc")]
+    assert_varied(runs[0][:, prompt.shape[1]:])
     assert all(torch.equal(run, runs[0]) for run in runs)
     other_seed = generate(toy, prompt, 16, strategy="sample", sampling=Sampling(temperature=0.8, top_k=20, seed=8)).tokens
     assert not torch.equal(other_seed, runs[0])
