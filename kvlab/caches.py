@@ -208,7 +208,7 @@ class WindowLayer(_OwnLayer):
 
     Why not a ring of W slots (ours): attention would get the window rotated. 5.24's masks index the padding
     mask by `kv_offset` + position in the keys (`masking_utils.padding_mask_function`), so a left-padded batch
-    with padding still in the window would mask the wrong keys, and the softmax would sum in another order."""
+    with padding still in the window would mask the wrong keys (`tests/test_cache_contract.py` shows it)."""
 
     is_sliding = True
 
