@@ -208,7 +208,8 @@ class WindowLayer(_OwnLayer):
 
     Why not a ring of W slots (ours): attention would get the window rotated. 5.24's masks index the padding
     mask by `kv_offset` + position in the keys (`masking_utils.padding_mask_function`), so a left-padded batch
-    with padding still in the window would mask the wrong keys (`tests/test_cache_contract.py` shows it)."""
+    with padding still in the window would mask the wrong keys (a left-padded test in test_cache_contract.py
+    pins the order: rotating what attention reads fails it, ours passes)."""
 
     is_sliding = True
 
