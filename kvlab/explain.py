@@ -58,6 +58,7 @@ class Explanation:
     op_index: int  # the op's number in the run
     where: str  # the Python line (outside torch) that ran it
     held: list[Held] = field(default_factory=list)  # largest first
+    forward: int | None = None  # which of the model's forwards the op ran in (0: the prefill), when it was given
 
     def format(self) -> str:
         """A table: storages grouped by their first holder's name with indices as [i], largest first."""
@@ -114,6 +115,8 @@ def explain(run, *, model: torch.nn.Module | None = None, step: int | None = Non
     _call(run, rerun, model)  # the same hooks as the first run
     if rerun.explanation is None or rerun.explanation.peak_bytes != counter.live_after[target]:
         raise RuntimeError("the rerun did not repeat the first run's ops and bytes; is the callable deterministic?")
+    if model is not None:
+        rerun.explanation.forward = sum(start <= target for start in starts) - 1
     return rerun.explanation
 
 
@@ -269,13 +272,20 @@ def _prompt(vocab_size: int, batch: int, prompt: int, seed: int) -> torch.Tensor
     return torch.randint(0, vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(seed))
 
 
-def explain_generate(model, ids: torch.Tensor, new: int, step: int | None = None) -> Explanation:
-    """transformers' own greedy generate(), exactly `new` tokens (no EOS), under `explain`."""
-    options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                   pad_token_id=0)
-    model.generation_config.eos_token_id = None
+def explain_generate(model, ids: torch.Tensor, new: int, step: int | None = None, **options) -> Explanation:
+    """transformers' own greedy generate(), exactly `new` tokens (no EOS), under `explain`; `options` go to
+    generate() (num_beams, cache_implementation, ...)."""
     with torch.inference_mode():
-        return explain(lambda: model.generate(ids, **options), model=model, step=step)
+        return explain(generate_call(model, ids, new, **options), model=model, step=step)
+
+
+def generate_call(model, ids: torch.Tensor, new: int, **options):
+    """A callable that runs transformers' own generate() for exactly `new` tokens (no EOS), greedy unless
+    `options` say otherwise."""
+    options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                   pad_token_id=0, **options)
+    model.generation_config.eos_token_id = None
+    return lambda: model.generate(ids, **options)
 
 
 def _release_worker(spec: dict) -> Explanation:

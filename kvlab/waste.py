@@ -1,0 +1,207 @@
+"""The waste that remains in transformers' own generate(): at the peak, every byte above "weights + final cache +
+one step's activations", by what holds it (kvlab.explain), and what a fix measures.
+
+    python -m kvlab.waste                  # every point of POINTS: data/today/waste.csv, provenance.json
+    python -m kvlab.waste 7b-greedy        # one point (its rows replace the stored ones)
+
+Each point runs generate() three ways on the same model and prompt: under the meter (the peak, and each forward's
+peak for the timeline), under `explain` (the live storages at the peak and their holders), and the fix (the
+same point by the fix's own run, under the meter). The rows of a point:
+- baseline: the weights, the final cache (from the shapes: every full layer prompt + new - 1 tokens, every
+  sliding layer its window - 1, as generate() ends), and one step's activations (the non-cache storages at
+  the peak when the peak is a decode step; else the last forward's rise, from the meter's timeline);
+- terms: the op's output at the peak where the op updates the cache (the `cat` of DynamicLayer.update, the
+  `index_select` of a beam reorder), storage the cache's tensors do not show (a view kept on a longer buffer),
+  the cache's tensors against the final cache (negative: not yet grown), the activations above one step's;
+- check: the meter's peak, from its own run, which the baseline and terms must add up to.
+"""
+
+from __future__ import annotations
+
+import datetime
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from .explain import explain, generate_call
+from .meter import MemoryMeter, weight_bytes
+from .models import build_model, element_size, head_dim
+
+OUT = Path(__file__).resolve().parent.parent / "data" / "today"
+COMMON = dict(batch=1, dtype="bfloat16", seed=0)
+# The 7B shape: the Llama-2-7B twin, prompt 300, 200 new tokens. The long context: Mistral-7B-v0.1 as released
+# (every layer slides, window 4096; the twin divides the widths by 32, not the window), a prompt past its window.
+SEVEN_B = dict(preset="llama2-7b-twin", overrides={}, prompt=300, new=200)
+LONG = dict(preset="mistral-7b-twin", overrides={"sliding_window": 4096}, prompt=4608, new=32)
+POINTS = {
+    "7b-greedy": dict(SEVEN_B, generate={}, fix="prealloc"),
+    "7b-static": dict(SEVEN_B, generate=dict(cache_implementation="static"), fix="chunked-prefill"),
+    "7b-beam4": dict(SEVEN_B, generate=dict(num_beams=4), fix="beam-prefill-once"),
+    "long-greedy": dict(LONG, generate={}, fix="prealloc"),
+}
+# Where each term would be fixed upstream, in transformers 5.24 (file: class.function).
+UPSTREAM = {
+    "cat": "src/transformers/cache_utils.py: DynamicLayer.update (torch.cat of the whole layer every step)",
+    "index_select": "src/transformers/cache_utils.py: CacheLayerMixin.reorder_cache (index_select of a whole layer)",
+    "view": "src/transformers/cache_utils.py: DynamicSlidingWindowLayer.update (keeps a view of the cat's output)",
+    "capacity": "src/transformers/cache_utils.py: StaticLayer.lazy_initialization (max_cache_len before the prompt)",
+    "activations": "src/transformers/generation/utils.py: GenerationMixin.generate (_expand_inputs_for_generation "
+                   "before the prompt's forward, _prefill)",
+}
+CACHE_TENSOR = re.compile(r"\.layers\[(\d+)\]\.(keys|values)$")
+COLUMNS = ["point", "preset", "overrides", "generate", "batch", "prompt", "new", "dtype", "kind", "term", "bytes",
+           "share_of_peak", "peak_forward", "holder", "upstream", "fix", "fix_peak_bytes", "fix_saves_bytes"]
+
+
+def final_cache_bytes(config, batch: int, prompt: int, new: int, dtype: str) -> int:
+    """The cache generate() ends with, from the shapes: prompt + new - 1 tokens per full layer (the last token is
+    never fed back), at most window - 1 per sliding layer (what a later query can see)."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * \
+        config.num_hidden_layers
+    tokens = prompt + new - 1
+    per_token = 2 * batch * config.num_key_value_heads * head_dim(config) * element_size(dtype)
+    return sum(per_token * (min(tokens, window - 1) if kind == "sliding_attention" else tokens) for kind in types)
+
+
+def metered(run, model) -> tuple[int, list[tuple[int, int]]]:
+    """Peak bytes above the weights, and (live bytes at its start, peak bytes) for each forward of `model`."""
+    meter = MemoryMeter("cpu", model)
+    hook = model.register_forward_pre_hook(lambda *_: meter.step())
+    try:
+        with torch.inference_mode(), meter:
+            run()
+            meter.step()
+    finally:
+        hook.remove()
+    timeline = meter.report().timeline
+    forwards = [(before.live_bytes, after.peak_bytes) for before, after in zip(timeline, timeline[1:])]
+    return meter.report().overhead_bytes, forwards
+
+
+def split_peak(explanation, final_cache: int, step_activations: int | None) -> dict:
+    """The storages at the peak as the rows' terms: cache tensors, storage they do not show, the op's output where
+    the op updates the cache, and the rest (activations)."""
+    cache_shown = cache_hidden = op_out = rest = 0
+    cache_op = "cache_utils.py" in explanation.where
+    for item in explanation.held:
+        if any(CACHE_TENSOR.search(name) for name in item.holders):
+            cache_shown += item.tensor_bytes
+            cache_hidden += item.nbytes - item.tensor_bytes
+        elif cache_op and item.holders[0] == f"{explanation.op}: out":
+            op_out += item.nbytes
+        else:
+            rest += item.nbytes
+    if step_activations is None:  # the peak is a decode step: its activations are one step's
+        step_activations = rest
+    return dict(cache_shown=cache_shown, cache_hidden=cache_hidden, op_out=op_out, rest=rest,
+                step_activations=step_activations, final_cache=final_cache)
+
+
+def measure_point(name: str, point: dict | None = None) -> list[dict]:
+    """The rows of one point: POINTS[name], or `point` given in the same form (see the module's docstring)."""
+    point = point or POINTS[name]
+    torch.manual_seed(0)
+    model = build_model(point["preset"], point["overrides"], dtype=COMMON["dtype"], seed=COMMON["seed"])
+    ids = torch.randint(0, model.config.vocab_size, (COMMON["batch"], point["prompt"]),
+                        generator=torch.Generator().manual_seed(COMMON["seed"]))
+    beams = point["generate"].get("num_beams", 1)
+    run = generate_call(model, ids, point["new"], **point["generate"])
+    peak, forwards = metered(run, model)
+    with torch.inference_mode():
+        explanation = explain(run, model=model)
+    final = final_cache_bytes(model.config, COMMON["batch"] * beams, point["prompt"], point["new"], COMMON["dtype"])
+    last_start, last_peak = forwards[-1]
+    parts = split_peak(explanation, final, None if explanation.forward else last_peak - last_start)
+    fix_peak = FIXES[point["fix"]](model, ids, point)
+    if point["fix"] == "beam-prefill-once":  # it changes the prompt's forward only: the later forwards stay
+        fix_peak = max([fix_peak] + [forward_peak for _, forward_peak in forwards[1:]])
+    weights = weight_bytes(model)
+    op = explanation.op.removeprefix("aten.").split(".")[0]
+    at = explanation.where.split(" (")[0]
+    rows = [
+        ("baseline", "weights", weights, "the model's parameters and buffers", ""),
+        ("baseline", "final cache", parts["final_cache"], "from the shapes: what generate() ends with", ""),
+        ("baseline", "one step's activations", parts["step_activations"],
+         "the last decode step" if not explanation.forward else "not cache, at the peak", ""),
+        *([("term", f"the cache update's {op} output", parts["op_out"], f"{explanation.op}: out, in {at}",
+            UPSTREAM.get(op, ""))] if parts["op_out"] else []),
+        ("term", "storage the cache's tensors do not show", parts["cache_hidden"],
+         "cache .layers[i].keys/values: views of longer buffers", UPSTREAM["view"]),
+        ("term", "cache tensors beyond the final cache", parts["cache_shown"] - final,
+         "cache .layers[i].keys/values (negative: not yet grown)", UPSTREAM["capacity"] if "static" in name else ""),
+        ("term", "activations above one step's", parts["rest"] - parts["step_activations"],
+         f"forward {explanation.forward} (0: the prompt's)", UPSTREAM["activations"] if beams > 1 else ""),
+        ("check", "peak (the meter, its own run)", weights + peak, "MemoryMeter, live storages", ""),
+    ]
+    fix_saves = peak - fix_peak
+    return [dict(point=name, preset=point["preset"], overrides=_text(point["overrides"]),
+                 generate=_text(point["generate"]), batch=COMMON["batch"], prompt=point["prompt"], new=point["new"],
+                 dtype=COMMON["dtype"], kind=kind, term=term, bytes=nbytes,
+                 share_of_peak=round(nbytes / (weights + peak), 5), peak_forward=explanation.forward, holder=holder,
+                 upstream=upstream, fix=point["fix"], fix_peak_bytes=weights + fix_peak, fix_saves_bytes=fix_saves)
+            for kind, term, nbytes, holder, upstream in rows]
+
+
+def _text(values: dict) -> str:
+    return " ".join(f"{key}={value}" for key, value in values.items())
+
+
+# -- the fixes, each measured at the point's own shape by the meter (peak bytes above the weights) --------------
+
+def fix_prealloc(model, ids, point) -> int:
+    """kvlab's `prealloc` under its 5.x loop: written in place (a ring of the window on sliding layers)."""
+    from .loops import generate
+    return metered(lambda: generate(model, ids, point["new"], cache="prealloc", loop="v5",
+                                    strategy="beam" if point["generate"].get("num_beams") else "greedy"), model)[0]
+
+
+def fix_chunked_prefill(model, ids, point) -> int:
+    """transformers' own generate() with the prompt's forward in chunks of 32 tokens (generate()'s
+    `prefill_chunk_size`): the full-capacity cache then meets a 32-token forward's activations only."""
+    return metered(generate_call(model, ids, point["new"], prefill_chunk_size=32, **point["generate"]), model)[0]
+
+
+def fix_beam_prefill_once(model, ids, point) -> int:
+    """The prompt's forward at the batch, its cache then repeated for the beams (DynamicCache.batch_repeat_interleave),
+    where generate() runs it at batch x beams: the peak of that prefill (measure_point takes the later forwards'
+    peaks from generate()'s own run: the cache they start from is the same)."""
+    from transformers import DynamicCache
+
+    from .compat import cache_argument
+    beams = point["generate"]["num_beams"]
+
+    def prefill_once():
+        cache = DynamicCache(config=model.config)
+        logits = model(ids, **{cache_argument(model): cache}, logits_to_keep=1).logits
+        cache.batch_repeat_interleave(beams)
+        return logits.repeat_interleave(beams, dim=0), cache
+    return metered(prefill_once, model)[0]
+
+
+FIXES = {"prealloc": fix_prealloc, "chunked-prefill": fix_chunked_prefill, "beam-prefill-once": fix_beam_prefill_once}
+
+
+def main(names=None) -> None:
+    import pandas as pd
+
+    from .lab.store import append_run
+    torch.set_num_threads(1)
+    names = names or list(POINTS)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    OUT.mkdir(parents=True, exist_ok=True)
+    path = OUT / "waste.csv"
+    for name in names:
+        rows = pd.DataFrame(measure_point(name), columns=COLUMNS)
+        kept = pd.read_csv(path, keep_default_na=False) if path.exists() else pd.DataFrame(columns=COLUMNS)
+        pd.concat([kept[kept["point"] != name], rows]).to_csv(path, index=False)
+        print(rows[["point", "kind", "term", "bytes", "share_of_peak"]].to_string(index=False), flush=True)
+    append_run(OUT, "python -m kvlab.waste " + " ".join(names), started, "cpu", points=names,
+               what="kvlab.waste: transformers' own generate() under the meter and kvlab.explain, and each fix "
+                    "under the meter; live-storage counter, one thread", results_file="waste.csv")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
