@@ -3,6 +3,7 @@ one step's activations", by what holds it (kvlab.explain), and what a fix measur
 
     python -m kvlab.waste                  # every point of POINTS: data/today/waste.csv, provenance.json
     python -m kvlab.waste 7b-greedy        # one point (its rows replace the stored ones)
+    python -m kvlab.waste growth           # the cache against generated tokens: data/today/cache_growth.csv
 
 Each point runs generate() three ways on the same model and prompt: under the meter (the peak, and each forward's
 peak for the timeline), under `explain` (the live storages at the peak and their holders), and the fix (the
@@ -13,7 +14,9 @@ same point by the fix's own run, under the meter). The rows of a point:
 - terms: the op's output at the peak where the op updates the cache (the `cat` of DynamicLayer.update, the
   `index_select` of a beam reorder), storage the cache's tensors do not show (a view kept on a longer buffer),
   the cache's tensors against the final cache (negative: not yet grown), the activations above one step's;
-- check: the meter's peak, from its own run, which the baseline and terms must add up to.
+- check: the meter's peak, from its own run, which the baseline and terms must add up to;
+- note, not added up: the peak of the prompt's forward (with the fix, where the fix changes only that forward);
+  a static cache's capacity not yet written at the peak (a part of the final cache).
 """
 
 from __future__ import annotations
@@ -47,6 +50,8 @@ UPSTREAM = {
     "index_select": "src/transformers/cache_utils.py: CacheLayerMixin.reorder_cache (index_select of a whole layer)",
     "view": "src/transformers/cache_utils.py: DynamicSlidingWindowLayer.update (keeps a view of the cat's output)",
     "capacity": "src/transformers/cache_utils.py: StaticLayer.lazy_initialization (max_cache_len before the prompt)",
+    "prefill": "src/transformers/generation/utils.py: GenerationMixin._prefill (the whole prompt in one forward "
+               "unless generation_config.prefill_chunk_size)",
     "activations": "src/transformers/generation/utils.py: GenerationMixin.generate (_expand_inputs_for_generation "
                    "before the prompt's forward, _prefill)",
 }
@@ -115,9 +120,9 @@ def measure_point(name: str, point: dict | None = None) -> list[dict]:
     final = final_cache_bytes(model.config, COMMON["batch"] * beams, point["prompt"], point["new"], COMMON["dtype"])
     last_start, last_peak = forwards[-1]
     parts = split_peak(explanation, final, None if explanation.forward else last_peak - last_start)
-    fix_peak = FIXES[point["fix"]](model, ids, point)
+    fix_peak = fix_prefill = FIXES[point["fix"]](model, ids, point)
     if point["fix"] == "beam-prefill-once":  # it changes the prompt's forward only: the later forwards stay
-        fix_peak = max([fix_peak] + [forward_peak for _, forward_peak in forwards[1:]])
+        fix_peak = max([fix_prefill] + [forward_peak for _, forward_peak in forwards[1:]])
     weights = weight_bytes(model)
     op = explanation.op.removeprefix("aten.").split(".")[0]
     at = explanation.where.split(" (")[0]
@@ -133,9 +138,20 @@ def measure_point(name: str, point: dict | None = None) -> list[dict]:
         ("term", "cache tensors beyond the final cache", parts["cache_shown"] - final,
          "cache .layers[i].keys/values (negative: not yet grown)", UPSTREAM["capacity"] if "static" in name else ""),
         ("term", "activations above one step's", parts["rest"] - parts["step_activations"],
-         f"forward {explanation.forward} (0: the prompt's)", UPSTREAM["activations"] if beams > 1 else ""),
+         f"forward {explanation.forward} (0: the prompt's)", UPSTREAM["activations"] if beams > 1 else
+         UPSTREAM["prefill"] if explanation.forward == 0 else ""),
         ("check", "peak (the meter, its own run)", weights + peak, "MemoryMeter, live storages", ""),
     ]
+    rows.append(("note", "peak of the prompt's forward", weights + forwards[0][1], "the meter, forward 0", ""))
+    if point["fix"] == "beam-prefill-once":
+        rows.append(("note", "peak of the prompt's forward, with the fix", weights + fix_prefill,
+                     "the meter: the prompt at the batch, its cache repeated for the beams", UPSTREAM["activations"]))
+    if point["generate"].get("cache_implementation") == "static":  # inside the final cache, not added up
+        written = point["prompt"] + explanation.forward  # tokens in the cache once the peak's forward has run
+        unwritten = final - final_cache_bytes(model.config, COMMON["batch"] * beams, written, 1, COMMON["dtype"])
+        rows.append(("note", "static capacity not yet written at the peak", unwritten,
+                     f"after forward {explanation.forward}: {written} of {point['prompt'] + point['new'] - 1} tokens",
+                     UPSTREAM["capacity"]))
     fix_saves = peak - fix_peak
     return [dict(point=name, preset=point["preset"], overrides=_text(point["overrides"]),
                  generate=_text(point["generate"]), batch=COMMON["batch"], prompt=point["prompt"], new=point["new"],
@@ -203,5 +219,71 @@ def main(names=None) -> None:
                     "under the meter; live-storage counter, one thread", results_file="waste.csv")
 
 
+
+
+def cache_storage_by_step(model, ids: torch.Tensor, new: int, **options) -> list[int]:
+    """transformers' own generate(): the bytes of the storages under its cache's keys and values after each forward
+    (a view counts its whole storage, as memory does), one value per forward."""
+    sizes = []
+
+    def after_forward(module, args, kwargs, output):
+        cache = kwargs.get(cache_argument(module))
+        storages = {tensor.untyped_storage()._cdata: tensor.untyped_storage().nbytes() for layer in cache.layers
+                    for tensor in (layer.keys, layer.values) if tensor is not None}
+        sizes.append(sum(storages.values()))
+
+    from .compat import cache_argument
+    hook = model.register_forward_hook(after_forward, with_kwargs=True)
+    try:
+        with torch.inference_mode():
+            generate_call(model, ids, new, **options)()
+    finally:
+        hook.remove()
+    return sizes
+
+
+# The cache against generated tokens: a full-attention model beside today's sliding (Mistral-7B-v0.1: every
+# layer, window 4096) and hybrid (Gemma-3-4B: 5 sliding layers of window 1024, then 1 full) layouts.
+GROWTH = dict(presets=["llama2-7b-twin", "mistral-7b-v0.1-twin", "gemma-3-4b-twin"], prompt=64, new=4500)
+
+
+def cache_growth(presets=GROWTH["presets"], prompt: int = GROWTH["prompt"], new: int = GROWTH["new"],
+                 every: int = 1) -> "pd.DataFrame":
+    """For each preset (bf16, batch 1), the storage of transformers' own DynamicCache after each forward of
+    generate(): one row per forward (every `every`-th), with the tokens the model has seen by then."""
+    import pandas as pd
+    rows = []
+    for preset in presets:
+        model = build_model(preset, dtype=COMMON["dtype"], seed=COMMON["seed"])
+        ids = torch.randint(0, model.config.vocab_size, (COMMON["batch"], prompt),
+                            generator=torch.Generator().manual_seed(COMMON["seed"]))
+        sizes = cache_storage_by_step(model, ids, new)
+        rows += [dict(preset=preset, forward=i, tokens=prompt + i, cache_storage_bytes=size,
+                      full_cache_bytes=final_cache_bytes(_full(model.config), COMMON["batch"], prompt + i, 1,
+                                                         COMMON["dtype"]))
+                 for i, size in enumerate(sizes) if i % every == 0 or i == len(sizes) - 1]
+    return pd.DataFrame(rows)
+
+
+def _full(config):
+    """The same config with every layer attending to everything: the cache a full-attention model would hold."""
+    config = config.__class__.from_dict(config.to_dict())
+    config.sliding_window = None
+    if getattr(config, "layer_types", None):
+        config.layer_types = ["full_attention"] * config.num_hidden_layers
+    return config
+
+
+def main_growth() -> None:
+    from .lab.store import append_run
+    torch.set_num_threads(1)
+    started = datetime.datetime.now(datetime.timezone.utc)
+    OUT.mkdir(parents=True, exist_ok=True)
+    cache_growth(every=8).to_csv(OUT / "cache_growth.csv", index=False)
+    append_run(OUT, "python -m kvlab.waste growth", started, "cpu", results_file="cache_growth.csv",
+               what="kvlab.waste.cache_growth: the storage under transformers' own DynamicCache after every 8th "
+                    "forward of generate(), bf16, batch 1", **GROWTH)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    main_growth() if sys.argv[1:] == ["growth"] else main(sys.argv[1:])
