@@ -16,7 +16,9 @@ same point by the fix's own run, under the meter). The rows of a point:
   the cache's tensors against the final cache (negative: not yet grown), the activations above one step's;
 - check: the meter's peak, from its own run, which the baseline and terms must add up to;
 - note, not added up: the peak of the prompt's forward (with the fix, where the fix changes only that forward);
-  a static cache's capacity not yet written at the peak (a part of the final cache).
+  the storage the cache's tensors do not show after the prompt's forward (a term where the peak is later);
+  a static cache's capacity not yet written at the peak (a part of the final cache);
+- fix: the peak (with the weights) of each fix's run, and what it saves against generate()'s.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from .compat import cache_argument
 from .explain import explain, generate_call
 from .meter import MemoryMeter, weight_bytes
 from .models import build_model, element_size, head_dim
@@ -39,10 +42,10 @@ COMMON = dict(batch=1, dtype="bfloat16", seed=0)
 SEVEN_B = dict(preset="llama2-7b-twin", overrides={}, prompt=300, new=200)
 LONG = dict(preset="mistral-7b-twin", overrides={"sliding_window": 4096}, prompt=4608, new=32)
 POINTS = {
-    "7b-greedy": dict(SEVEN_B, generate={}, fix="prealloc"),
-    "7b-static": dict(SEVEN_B, generate=dict(cache_implementation="static"), fix="chunked-prefill"),
-    "7b-beam4": dict(SEVEN_B, generate=dict(num_beams=4), fix="beam-prefill-once"),
-    "long-greedy": dict(LONG, generate={}, fix="prealloc"),
+    "7b-greedy": dict(SEVEN_B, generate={}, fix=["prealloc"]),
+    "7b-static": dict(SEVEN_B, generate=dict(cache_implementation="static"), fix=["chunked-prefill"]),
+    "7b-beam4": dict(SEVEN_B, generate=dict(num_beams=4), fix=["beam-prefill-once"]),
+    "long-greedy": dict(LONG, generate={}, fix=["chunked-prefill", "prealloc"]),
 }
 # Where each term would be fixed upstream, in transformers 5.24 (file: class.function).
 UPSTREAM = {
@@ -57,7 +60,7 @@ UPSTREAM = {
 }
 CACHE_TENSOR = re.compile(r"\.layers\[(\d+)\]\.(keys|values)$")
 COLUMNS = ["point", "preset", "overrides", "generate", "batch", "prompt", "new", "dtype", "kind", "term", "bytes",
-           "share_of_peak", "peak_forward", "holder", "upstream", "fix", "fix_peak_bytes", "fix_saves_bytes"]
+           "share_of_peak", "peak_forward", "holder", "upstream", "saves_bytes"]
 
 
 def final_cache_bytes(config, batch: int, prompt: int, new: int, dtype: str) -> int:
@@ -71,25 +74,39 @@ def final_cache_bytes(config, batch: int, prompt: int, new: int, dtype: str) -> 
     return sum(per_token * (min(tokens, window - 1) if kind == "sliding_attention" else tokens) for kind in types)
 
 
-def metered(run, model) -> tuple[int, list[tuple[int, int]]]:
-    """Peak bytes above the weights, and (live bytes at its start, peak bytes) for each forward of `model`."""
+def metered(run, model, cache_sizes: list | None = None) -> tuple[int, list[tuple[int, int]]]:
+    """Peak bytes above the weights, and (live bytes at its start, peak bytes) for each forward of `model`;
+    `cache_sizes` gets (storage bytes, bytes shown) of the cache's keys and values after each forward."""
     meter = MemoryMeter("cpu", model)
-    hook = model.register_forward_pre_hook(lambda *_: meter.step())
+    hooks = [model.register_forward_pre_hook(lambda *_: meter.step())]
+    if cache_sizes is not None:
+        hooks.append(model.register_forward_hook(
+            lambda module, args, kwargs, out: cache_sizes.append(_cache_sizes(kwargs.get(cache_argument(module)))),
+            with_kwargs=True))
     try:
         with torch.inference_mode(), meter:
             run()
             meter.step()
     finally:
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
     timeline = meter.report().timeline
     forwards = [(before.live_bytes, after.peak_bytes) for before, after in zip(timeline, timeline[1:])]
     return meter.report().overhead_bytes, forwards
+
+
+def _cache_sizes(cache) -> tuple[int, int]:
+    """(bytes of the storages under a transformers cache's keys and values, bytes those tensors show)."""
+    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
+    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+    return sum(storages.values()), sum(t.nbytes for t in tensors)
 
 
 def split_peak(explanation, final_cache: int, step_activations: int | None) -> dict:
     """The storages at the peak as the rows' terms: cache tensors, storage they do not show, the op's output where
     the op updates the cache, and the rest (activations)."""
     cache_shown = cache_hidden = op_out = rest = 0
+    others = {}  # holder name (indices as [i]) -> bytes, for the activations' largest holders
     cache_op = "cache_utils.py" in explanation.where
     for item in explanation.held:
         if any(CACHE_TENSOR.search(name) for name in item.holders):
@@ -99,10 +116,14 @@ def split_peak(explanation, final_cache: int, step_activations: int | None) -> d
             op_out += item.nbytes
         else:
             rest += item.nbytes
+            holder = re.sub(r"\[\d+\]", "[i]", item.holders[0])
+            others[holder] = others.get(holder, 0) + item.nbytes
     if step_activations is None:  # the peak is a decode step: its activations are one step's
         step_activations = rest
+    largest = sorted(others.items(), key=lambda item: -item[1])[:3]
     return dict(cache_shown=cache_shown, cache_hidden=cache_hidden, op_out=op_out, rest=rest,
-                step_activations=step_activations, final_cache=final_cache)
+                step_activations=step_activations, final_cache=final_cache,
+                largest="; ".join(f"{name} {nbytes / 2**20:.2f} MiB" for name, nbytes in largest))
 
 
 def measure_point(name: str, point: dict | None = None) -> list[dict]:
@@ -114,15 +135,14 @@ def measure_point(name: str, point: dict | None = None) -> list[dict]:
                         generator=torch.Generator().manual_seed(COMMON["seed"]))
     beams = point["generate"].get("num_beams", 1)
     run = generate_call(model, ids, point["new"], **point["generate"])
-    peak, forwards = metered(run, model)
+    sizes = []
+    peak, forwards = metered(run, model, sizes)
     with torch.inference_mode():
         explanation = explain(run, model=model)
     final = final_cache_bytes(model.config, COMMON["batch"] * beams, point["prompt"], point["new"], COMMON["dtype"])
     last_start, last_peak = forwards[-1]
     parts = split_peak(explanation, final, None if explanation.forward else last_peak - last_start)
-    fix_peak = fix_prefill = FIXES[point["fix"]](model, ids, point)
-    if point["fix"] == "beam-prefill-once":  # it changes the prompt's forward only: the later forwards stay
-        fix_peak = max([fix_prefill] + [forward_peak for _, forward_peak in forwards[1:]])
+    fixes = {fix: FIXES[fix](model, ids, point) for fix in point["fix"]}
     weights = weight_bytes(model)
     op = explanation.op.removeprefix("aten.").split(".")[0]
     at = explanation.where.split(" (")[0]
@@ -138,26 +158,33 @@ def measure_point(name: str, point: dict | None = None) -> list[dict]:
         ("term", "cache tensors beyond the final cache", parts["cache_shown"] - final,
          "cache .layers[i].keys/values (negative: not yet grown)", UPSTREAM["capacity"] if "static" in name else ""),
         ("term", "activations above one step's", parts["rest"] - parts["step_activations"],
-         f"forward {explanation.forward} (0: the prompt's)", UPSTREAM["activations"] if beams > 1 else
+         f"forward {explanation.forward} (0: the prompt's); largest: {parts['largest']}",
+         UPSTREAM["activations"] if beams > 1 else
          UPSTREAM["prefill"] if explanation.forward == 0 else ""),
         ("check", "peak (the meter, its own run)", weights + peak, "MemoryMeter, live storages", ""),
     ]
     rows.append(("note", "peak of the prompt's forward", weights + forwards[0][1], "the meter, forward 0", ""))
-    if point["fix"] == "beam-prefill-once":
-        rows.append(("note", "peak of the prompt's forward, with the fix", weights + fix_prefill,
-                     "the meter: the prompt at the batch, its cache repeated for the beams", UPSTREAM["activations"]))
+    retained = sizes[0][0] - sizes[0][1]
+    rows.append(("note", "storage the cache's tensors do not show after the prompt's forward", retained,
+                 f"the cache after forward 0: {sizes[0][0]} bytes of storage, {sizes[0][1]} shown",
+                 UPSTREAM["view"] if retained else ""))
+    for fix, fix_peak in fixes.items():
+        if fix == "beam-prefill-once":  # it changes the prompt's forward only: the later forwards stay
+            rows.append(("note", "peak of the prompt's forward, with the fix", weights + fix_peak,
+                         FIXES[fix].__doc__.split(",")[0].strip(), UPSTREAM["activations"]))
+            fix_peak = max([fix_peak] + [forward_peak for _, forward_peak in forwards[1:]])
+        rows.append(("fix", fix, weights + fix_peak, " ".join(FIXES[fix].__doc__.split()), ""))
     if point["generate"].get("cache_implementation") == "static":  # inside the final cache, not added up
         written = point["prompt"] + explanation.forward  # tokens in the cache once the peak's forward has run
         unwritten = final - final_cache_bytes(model.config, COMMON["batch"] * beams, written, 1, COMMON["dtype"])
         rows.append(("note", "static capacity not yet written at the peak", unwritten,
                      f"after forward {explanation.forward}: {written} of {point['prompt'] + point['new'] - 1} tokens",
                      UPSTREAM["capacity"]))
-    fix_saves = peak - fix_peak
     return [dict(point=name, preset=point["preset"], overrides=_text(point["overrides"]),
                  generate=_text(point["generate"]), batch=COMMON["batch"], prompt=point["prompt"], new=point["new"],
                  dtype=COMMON["dtype"], kind=kind, term=term, bytes=nbytes,
                  share_of_peak=round(nbytes / (weights + peak), 5), peak_forward=explanation.forward, holder=holder,
-                 upstream=upstream, fix=point["fix"], fix_peak_bytes=weights + fix_peak, fix_saves_bytes=fix_saves)
+                 upstream=upstream, saves_bytes=weights + peak - nbytes if kind == "fix" else None)
             for kind, term, nbytes, holder, upstream in rows]
 
 
@@ -185,8 +212,6 @@ def fix_beam_prefill_once(model, ids, point) -> int:
     where generate() runs it at batch x beams: the peak of that prefill (measure_point takes the later forwards'
     peaks from generate()'s own run: the cache they start from is the same)."""
     from transformers import DynamicCache
-
-    from .compat import cache_argument
     beams = point["generate"]["num_beams"]
 
     def prefill_once():
@@ -225,15 +250,9 @@ def cache_storage_by_step(model, ids: torch.Tensor, new: int, **options) -> list
     """transformers' own generate(): the bytes of the storages under its cache's keys and values after each forward
     (a view counts its whole storage, as memory does), one value per forward."""
     sizes = []
-
-    def after_forward(module, args, kwargs, output):
-        cache = kwargs.get(cache_argument(module))
-        storages = {tensor.untyped_storage()._cdata: tensor.untyped_storage().nbytes() for layer in cache.layers
-                    for tensor in (layer.keys, layer.values) if tensor is not None}
-        sizes.append(sum(storages.values()))
-
-    from .compat import cache_argument
-    hook = model.register_forward_hook(after_forward, with_kwargs=True)
+    hook = model.register_forward_hook(
+        lambda module, args, kwargs, out: sizes.append(_cache_sizes(kwargs.get(cache_argument(module)))[0]),
+        with_kwargs=True)
     try:
         with torch.inference_mode():
             generate_call(model, ids, new, **options)()
@@ -248,13 +267,14 @@ GROWTH = dict(presets=["llama2-7b-twin", "mistral-7b-v0.1-twin", "gemma-3-4b-twi
 
 
 def cache_growth(presets=GROWTH["presets"], prompt: int = GROWTH["prompt"], new: int = GROWTH["new"],
-                 every: int = 1) -> "pd.DataFrame":
-    """For each preset (bf16, batch 1), the storage of transformers' own DynamicCache after each forward of
-    generate(): one row per forward (every `every`-th), with the tokens the model has seen by then."""
+                 every: int = 1, overrides: dict | None = None) -> "pd.DataFrame":
+    """For each preset (bf16, batch 1; `overrides` maps a preset to its config overrides), the storage of
+    transformers' own DynamicCache after each forward of generate(): one row per forward (every `every`-th),
+    with the tokens the model has seen by then and what the cache would hold with every layer full."""
     import pandas as pd
     rows = []
     for preset in presets:
-        model = build_model(preset, dtype=COMMON["dtype"], seed=COMMON["seed"])
+        model = build_model(preset, (overrides or {}).get(preset), dtype=COMMON["dtype"], seed=COMMON["seed"])
         ids = torch.randint(0, model.config.vocab_size, (COMMON["batch"], prompt),
                             generator=torch.Generator().manual_seed(COMMON["seed"]))
         sizes = cache_storage_by_step(model, ids, new)
