@@ -42,6 +42,41 @@ class Shape:
         return self.token * length
 
 
+def windows(config) -> list:
+    """Each layer's sliding window, None for a full-attention layer: as 5.x's `DynamicCache(config=...)` reads
+    the config (`layer_types`, else `sliding_window`)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+    types, options = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return [kw.get("sliding_window") if "sliding" in kind else None for kind, kw in zip(types, options)]
+
+
+class Layers:
+    """Token lengths of each layer's key (= value) storage under 5.x's dynamic layers. A sliding layer
+    (`DynamicSlidingWindowLayer`) cats the new tokens onto the last window - 1 it kept and keeps a view of that
+    result: its storage is min(cached, W - 1) + fed, so after a prefill of P > W tokens the whole P-token
+    buffer stays alive until the first decode step; a beam reorder copies the view (W - 1, contiguous)."""
+
+    def __init__(self, sliding: list):
+        self.sliding = sliding
+        self.storage = [0] * len(sliding)  # tokens of each layer's storage now
+        self.kept = [0] * len(sliding)  # tokens each layer's view (what the next cat copies) holds
+
+    def update(self, fed: int) -> None:
+        for i, window in enumerate(self.sliding):
+            self.storage[i] = self.kept[i] + fed
+            self.kept[i] = self.storage[i] if window is None else min(self.storage[i], window - 1)
+
+    def reorder(self, t: int) -> int:
+        """The peak of a beam reorder, one tensor at a time (keys then values, layer by layer), in bytes."""
+        total, peak = 2 * t * sum(self.storage), 0
+        for i in range(len(self.storage)):
+            for _ in "kv":
+                peak = max(peak, total + t * self.kept[i])
+                total += t * (self.kept[i] - self.storage[i])
+            self.storage[i] = self.kept[i]
+        return peak
+
+
 def _held(s: Shape, cache: str, length: int, capacity_of, max_len: int) -> int:
     """Bytes the cache design holds for `length` tokens."""
     if cache == "static":
@@ -82,6 +117,9 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
     static_len = max_len - 1  # as generate() sizes it: the last new token never enters the cache
     capacity_of = lambda n: math.ceil(n / block_tokens) * block_tokens  # noqa: E731
     groups = s.heads // s.kv_heads
+    # 5.x's dynamic cache on a sliding or hybrid config: each layer's storage walked step by step.
+    sliding = windows(config) if cache == "dynamic" and release.major == 5 else [None] * s.layers
+    layers = Layers(sliding) if any(sliding) else None
     held_after_first = prompt + new - 1  # the caller's tuple during a restart
     chunks = 0
     best = (-1, None, None)
@@ -110,6 +148,11 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
             persistent["un-reordered tuple held by outputs (beam, v4.40)"] = s.kv(before)
         old_tuple = s.kv(before) if tuple_cache or runtime == "convert" else 0
         held_after = _held(s, cache, after, capacity_of, static_len)
+        old_last = before  # tokens of the last layer's values storage before its cat
+        if layers is not None:
+            old_last = layers.storage[-1]
+            layers.update(fed)
+            held_after = 2 * s.t * sum(layers.storage)
         # Alive in the last layer: the embeddings, the residual stream, the normed input, q, k, v and the
         # rotary cos/sin (one row per sequence, from the position ids). The model keeps `inputs_embeds`
         # referenced for its whole forward.
@@ -122,7 +165,7 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
                 "activations of one layer": layer_acts}
         update, attention = dict(base), dict(base)
         if cache == "dynamic" and before > 0 and not (call == 1 and first_of_call and restart_from == "tuples"):
-            update["old values tensor during its cat"] = s.t * before  # (else the caller's tuple holds it)
+            update["old values tensor during its cat"] = s.t * old_last  # (else the caller's tuple holds it)
         if cache == "list":
             chunks = 1 if index == 0 else chunks + 1
             if chunks >= chunk_limit:
@@ -158,6 +201,9 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
                 largest = {"prealloc": capacity_of(after), "static": static_len,
                            "list": after - (chunks - 1)}.get(cache, after)  # list: its largest chunk
                 reorder = {"cache": held_after, "one reordered tensor": s.t * largest}
+                if layers is not None:
+                    peak = layers.reorder(s.t)
+                    reorder = {"cache": held_after, "one reordered tensor": peak - held_after}
             reorder["logits kept (v4.40)" if keeps_outputs else "next-token logits (fp32)"] = (
                 s.rows * fed * s.vocab * FP32 if keeps_outputs else s.rows * s.vocab * FP32)
             reorder["beam scores (fp32)"] = s.rows * s.vocab * FP32
