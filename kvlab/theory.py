@@ -120,6 +120,10 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
     # 5.x's dynamic cache on a sliding or hybrid config: each layer's storage walked step by step.
     sliding = windows(config) if cache == "dynamic" and release.major == 5 else [None] * s.layers
     layers = Layers(sliding) if any(sliding) else None
+    window = next((w for w in windows(config) if w), None)  # the sliding mask's (one for every sliding layer)
+    # Gemma-3 computes rotary cos/sin once per layer type (its rope_parameters are keyed by layer type).
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_sets = len(rope) if rope and all(isinstance(v, dict) for v in rope.values()) else 1
     held_after_first = prompt + new - 1  # the caller's tuple during a restart
     chunks = 0
     best = (-1, None, None)
@@ -148,16 +152,19 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
             persistent["un-reordered tuple held by outputs (beam, v4.40)"] = s.kv(before)
         old_tuple = s.kv(before) if tuple_cache or runtime == "convert" else 0
         held_after = _held(s, cache, after, capacity_of, static_len)
-        old_last = before  # tokens of the last layer's values storage before its cat
+        old_last, seen = before, after  # tokens of the last layer's values storage before its cat; keys attended
         if layers is not None:
             old_last = layers.storage[-1]
             layers.update(fed)
             held_after = 2 * s.t * sum(layers.storage)
+            seen = layers.storage[sliding.index(window)] if window else after
+        if window and seen >= window:  # SDPA's is_causal shortcut is off: a bool mask, alive for the whole forward
+            persistent["sliding-window attention mask (bool)"] = s.rows * fed * seen
         # Alive in the last layer: the embeddings, the residual stream, the normed input, q, k, v and the
         # rotary cos/sin (one row per sequence, from the position ids). The model keeps `inputs_embeds`
         # referenced for its whole forward.
         hidden_states = 3 * s.rows * fed * s.hidden * s.e
-        rotary = 2 * s.rows * fed * s.head_dim * s.e
+        rotary = 2 * s.rows * fed * s.head_dim * s.e * rope_sets
         layer_acts = hidden_states + s.rows * fed * (s.heads + 2 * s.kv_heads) * s.head_dim * s.e + rotary
 
         # Phase: the last layer's cache update (its copies die before attention starts) ...
