@@ -222,7 +222,10 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
             if total > best[0]:
                 best = (total, f"step {index} ({'restart ' if call else ''}{name})", terms)
         prev_logits = s.rows * fed * s.vocab * FP32 if keeps_outputs else 0
-    return best[0], best[1], best[2], s.kv(max_len)
+    # Tokens each layer's storage holds at the end (5.x sliding layers plateau at the window, the rest grow).
+    held_tokens = list(layers.storage) if layers is not None else [
+        {"static": static_len, "prealloc": capacity_of(max_len - 1)}.get(cache, max_len - 1)] * s.layers
+    return best[0], best[1], best[2], s.kv(max_len), held_tokens
 
 
 def _exported_peak(s: Shape, prompt: int, new: int):
@@ -254,7 +257,7 @@ def _exported_peak(s: Shape, prompt: int, new: int):
             total = sum(terms.values())
             if total > best[0]:
                 best = (total, f"step {index} ({name})", terms)
-    return best[0], best[1], best[2], s.kv(prompt + new)
+    return best[0], best[1], best[2], s.kv(prompt + new), [last] * s.layers
 
 
 def predict_overhead(config, **point) -> int:
@@ -262,10 +265,16 @@ def predict_overhead(config, **point) -> int:
     return int(peak_phases(config, **point)[0])
 
 
+def tokens_per_layer(held: list) -> str:
+    """`[4096] * 32` → "4096 x 32"; a hybrid layout lists each length with its count."""
+    return " + ".join(f"{length} x {held.count(length)}" for length in sorted(set(held)))
+
+
 def explain(config, **point) -> dict:
     """The peak, where it happens and the terms that make it, for printing."""
-    total, where, terms, kv_final = peak_phases(config, **point)
+    total, where, terms, kv_final, held = peak_phases(config, **point)
     return {"predicted_overhead_bytes": int(total), "kv_final_bytes": kv_final,
+            "cache_tokens_per_layer": tokens_per_layer(held),
             "overhead_over_kv": round(total / kv_final, 4), "peak_at": where,
             "terms_bytes": {k: int(v) for k, v in terms.items() if v}}
 
