@@ -200,6 +200,18 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
                              "fp32 upcast of every position's logits (<= 4.42)": s.rows * fed * s.vocab * FP32
                              if release.major == 4 and s.e != FP32 else 0,
                              "final hidden states": s.rows * fed * s.hidden * s.e}
+        # Phase: after the forward, v4.42 and v5 copy the last position's logits to fp32 while the forward's logits
+        # and the previous step's copy are alive; beam search then scores them (log_softmax, plus the beam
+        # scores: two more vocabulary-wide tensors) while the previous step's scores are alive.
+        vocab_fp32 = s.rows * s.vocab * FP32
+        if not keeps_outputs:
+            phases["next-token logits"] = {
+                "cache after the update": held_after, "old tuple still referenced": old_tuple,
+                "forward's logits": s.rows * kept * s.vocab * (FP32 if release.major == 4 else s.e),
+                "next-token logits (fp32)": vocab_fp32}
+        if strategy == "beam" and not keeps_outputs:
+            phases["beam scoring"] = {"cache after the update": held_after, "next-token logits (fp32)": vocab_fp32,
+                                      "log_softmax and beam scores (fp32)": 2 * vocab_fp32}
         # Phase: beam reorder after the forward.
         if strategy == "beam":
             if tuple_cache and keeps_outputs:
@@ -217,7 +229,8 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
             phases["beam reorder"] = reorder
 
         for name, terms in phases.items():
-            terms = {**persistent, **(previous if name != "beam reorder" else {}), **terms}
+            kept_previous = {"beam reorder": {}, "beam scoring": {k: v for k, v in previous.items() if "beam" in k}}
+            terms = {**persistent, **kept_previous.get(name, previous), **terms}
             total = sum(terms.values())
             if total > best[0]:
                 best = (total, f"step {index} ({'restart ' if call else ''}{name})", terms)

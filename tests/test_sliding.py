@@ -77,9 +77,9 @@ def _theory_point(twin, dtype, strategy, cache="dynamic", loop="v5"):
     assert abs(record["prediction_error"]) <= TOLERANCE, (twin, cache, loop, dtype, strategy, record["prediction_error"])
 
 
-@pytest.mark.parametrize("twin", list(TWINS))
-def test_theory_of_each_twin_within_one_percent(twin):
-    _theory_point(twin, "bfloat16", "beam")
+@pytest.mark.parametrize("twin, strategy", [("mistral", "beam"), ("gemma3", "greedy")])
+def test_theory_of_the_sliding_twins_within_one_percent(twin, strategy):
+    _theory_point(twin, "bfloat16", strategy)
 
 
 @pytest.mark.slow
