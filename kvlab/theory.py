@@ -120,6 +120,8 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
     # 5.x's dynamic cache on a sliding or hybrid config: each layer's storage walked step by step.
     sliding = windows(config) if cache == "dynamic" and release.major == 5 else [None] * s.layers
     layers = Layers(sliding) if any(sliding) else None
+    static_windows = [min(w or static_len, static_len) for w in windows(config)] if cache == "static" else []
+    static_windows = static_windows if any(w != static_len for w in static_windows) else []
     window = next((w for w in windows(config) if w), None)  # the sliding mask's (one for every sliding layer)
     # Gemma-3 computes rotary cos/sin once per layer type (its rope_parameters are keyed by layer type).
     rope = getattr(config, "rope_parameters", None) or {}
@@ -152,6 +154,8 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
             persistent["un-reordered tuple held by outputs (beam, v4.40)"] = s.kv(before)
         old_tuple = s.kv(before) if tuple_cache or runtime == "convert" else 0
         held_after = _held(s, cache, after, capacity_of, static_len)
+        if cache == "static" and static_windows:  # 5.x's StaticCache gives a sliding layer min(W, length) slots
+            held_after = 2 * s.t * sum(static_windows)
         old_last, seen = before, after  # tokens of the last layer's values storage before its cat; keys attended
         if layers is not None:
             old_last = layers.storage[-1]
@@ -217,7 +221,7 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
             if tuple_cache and keeps_outputs:
                 reorder = {"un-reordered tuple (held by outputs)": s.kv(after), "reordered tuple": s.kv(after)}
             else:  # one tensor at a time, the old one freed before the next is copied
-                largest = {"prealloc": capacity_of(after), "static": static_len,
+                largest = {"prealloc": capacity_of(after), "static": max(static_windows or [static_len]),
                            "list": after - (chunks - 1)}.get(cache, after)  # list: its largest chunk
                 reorder = {"cache": held_after, "one reordered tensor": s.t * largest}
                 if layers is not None:
@@ -236,7 +240,7 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
                 best = (total, f"step {index} ({'restart ' if call else ''}{name})", terms)
         prev_logits = s.rows * fed * s.vocab * FP32 if keeps_outputs else 0
     # Tokens each layer's storage holds at the end (5.x sliding layers plateau at the window, the rest grow).
-    held_tokens = list(layers.storage) if layers is not None else [
+    held_tokens = list(layers.storage) if layers is not None else static_windows or [
         {"static": static_len, "prealloc": capacity_of(max_len - 1)}.get(cache, max_len - 1)] * s.layers
     return best[0], best[1], best[2], s.kv(max_len), held_tokens
 
