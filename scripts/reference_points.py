@@ -4,8 +4,8 @@
 
 Each point of SHOWCASE runs twice, kind kvlab and kind reference (the release's own generate() in its own
 process), both measured by the live-storage meter; one row per run, with the point's name. The run is logged in
-data/reference/provenance.json. Prints what the rows show: kvlab / real, the logits' share of the peak, and the
-minimal improvement factor measured by both beside kvlab.theory's.
+data/reference/provenance.json. Prints what the rows show (kvlab.lab.reference.showcase_table) and the minimal
+improvement factor measured by both beside kvlab.theory's.
 """
 
 import datetime
@@ -16,7 +16,7 @@ import torch
 
 from kvlab import theory
 from kvlab.lab.point import run_point
-from kvlab.lab.reference import SHOWCASE, SHOWCASE_COMMON
+from kvlab.lab.reference import SHOWCASE, SHOWCASE_COMMON, showcase_table
 from kvlab.lab.store import append_run
 from kvlab.models import build_config
 
@@ -33,12 +33,8 @@ def main():
     append_run(OUT, "python scripts/reference_points.py", started, "cpu", points=len(SHOWCASE),
                what="kvlab.lab.reference.SHOWCASE: each point by kvlab's loop (kind kvlab) and by the release's own "
                     "generate() (kind reference), live-storage meter, one thread")
+    print(showcase_table(table).to_string())
     overhead = table.set_index(["name", "kind"])["overhead_bytes"]
-    for name in SHOWCASE:
-        print(f"{name}: kvlab / real = {overhead[name, 'kvlab'] / overhead[name, 'reference']:.4f}")
-    logits = table[(table["name"] == "logits") & (table["kind"] == "kvlab")].iloc[0]
-    print(f"logits: their share of the peak above the weights (kvlab's meter) = "
-          f"{logits['logits_at_peak_bytes'] / logits['overhead_bytes']:.3f}")
     point = SHOWCASE["minimal-after"]
     theory_factor = theory.improvement_factors(build_config(point["preset"]), batch=SHOWCASE_COMMON["batch"],
                                                prompt=point["prompt"], dtype=SHOWCASE_COMMON["dtype"])[0]

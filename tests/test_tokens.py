@@ -96,3 +96,43 @@ def test_our_layers_are_accepted_by_transformers_own_generate(toy, prompt, cache
     expected = reference(toy, prompt, 12)
     cache_object = {cache_argument(toy): make_cache(cache, toy)}  # the keyword this transformers uses
     assert torch.equal(reference(toy, prompt, 12, **cache_object), expected)
+
+
+# -- sliding-window layers: prealloc's window buffer against transformers' DynamicSlidingWindowLayer -----------
+
+SLIDING_PROMPT = 40  # longer than the window of 16
+SLIDING_BLOCKS = [4, 32]  # 4: the window moves to the buffer's front every 4 steps; 32: the default
+
+
+def sliding_prompt(model):
+    return torch.randint(0, model.config.vocab_size, (2, SLIDING_PROMPT), generator=torch.Generator().manual_seed(3))
+
+
+def test_make_cache_picks_the_sliding_layers_of_a_sliding_config(sliding_toy, toy):
+    from kvlab.caches import CatLayer, PreallocLayer, SlidingCatLayer, WindowLayer
+    assert {type(layer) for layer in make_cache("prealloc", sliding_toy).layers} == {WindowLayer}
+    assert {type(layer) for layer in make_cache("dynamic", sliding_toy).layers} == {SlidingCatLayer}
+    assert {type(layer) for layer in make_cache("prealloc", toy).layers} == {PreallocLayer}
+    assert {type(layer) for layer in make_cache("dynamic", toy).layers} == {CatLayer}
+
+
+@pytest.mark.parametrize("block_tokens", SLIDING_BLOCKS)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sliding_prealloc_greedy_matches_generate(sliding_toy, sliding_toy_bf16, dtype, block_tokens):
+    model = sliding_toy if dtype == "float32" else sliding_toy_bf16
+    prompt, new = sliding_prompt(model), 80  # 80 new tokens: the window of 16 slides 5 times over
+    expected = reference(model, prompt, new)  # transformers' default cache: DynamicSlidingWindowLayer
+    out = generate(model, prompt, new, cache="prealloc", cache_options={"block_tokens": block_tokens})
+    assert torch.equal(out.tokens, expected)
+    layer = out.cache.layers[0]
+    assert layer.key_buffer.shape[-2] == 16 - 1 + block_tokens  # never more than the window and a block
+    assert layer.keys.shape[-2] == 15 and layer.get_seq_length() == SLIDING_PROMPT + new - 1
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sliding_prealloc_best_beam_matches_generate(sliding_toy, sliding_toy_bf16, dtype):
+    model = sliding_toy if dtype == "float32" else sliding_toy_bf16
+    prompt = sliding_prompt(model)
+    expected = reference(model, prompt, 40, num_beams=4, num_return_sequences=1)
+    out = generate(model, prompt, 40, cache="prealloc", strategy="beam", num_beams=4, cache_options={"block_tokens": 4})
+    assert torch.equal(out.tokens[::4], expected)

@@ -52,6 +52,19 @@ SHOWCASE = {
 SHOWCASE_COMMON = dict(dtype="bfloat16", batch=1, strategy="greedy", device="cpu", timing=False)
 
 
+
+
+def showcase_table(results):
+    """SHOWCASE's rows (data/reference/results.csv as a DataFrame) side by side: per point, overhead / final KV by
+    kvlab's loop and by the release's own generate(), their ratio, and the logits' share of kvlab's peak."""
+    import pandas as pd
+    ours = results[results["kind"] == "kvlab"].set_index("name")
+    real = results[results["kind"] == "reference"].set_index("name").loc[ours.index]
+    return pd.DataFrame({"design": ours["cache"] + "/" + ours["loop"], "release": real["transformers_version"],
+                         "kvlab overhead/KV": ours["overhead_over_kv"], "release overhead/KV": real["overhead_over_kv"],
+                         "kvlab / release": ours["overhead_bytes"] / real["overhead_bytes"],
+                         "logits share of the peak": ours["logits_at_peak_bytes"] / ours["overhead_bytes"]}).round(4)
+
 class ReferenceInstallError(RuntimeError):
     """pip could not install a release (no package index reachable, or no wheel for this Python)."""
 

@@ -125,7 +125,7 @@ def improvement_table(df: pd.DataFrame, vary: str = "new") -> pd.DataFrame:
     return table.round({"measured": 3, "minimal": 3, "maximal": 3})
 
 
-# PR #30536's own factors (seed 000; RTX 4090, batch 1, prompt 300): drawn beside ours, never computed.
+# PR #30536's own factors (its description and discussion; RTX 4090): drawn beside ours, never computed.
 PR_FACTORS = {"maximal": 2.0, "minimal, Llama-2-7B": 1.62, "minimal, Mistral-7B": 1.22}
 
 
