@@ -25,11 +25,10 @@ from dataclasses import dataclass
 
 import torch
 from transformers import AttentionInterface, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-from transformers.cache_utils import DynamicSlidingWindowLayer, get_layer_types_and_kwargs
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .caches import CACHES, CatLayer, KVCache, cache_length, cache_tensors, forward, make_cache
+from .caches import CACHES, CatLayer, KVCache, cache_length, cache_tensors, forward, make_cache, num_layers
 from .compat import cache_from_outputs
 
 
@@ -137,8 +136,10 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "d
         tokens = tokens.repeat_interleave(num_beams, dim=0)  # as generate() does, before the prompt
     batch = tokens.shape[0] // (num_beams if strategy == "beam" else 1)
     kv = past
-    if kv is None and cache == "dynamic" and release.major == 5:
-        kv = sliding_dynamic(model)
+    if kv is None and cache == "dynamic" and release.major == 4:
+        # 4.40.1's SDPA and eager attention masked a sliding window but grew the cache in full (only its
+        # FlashAttention-2 path sliced it): CatLayer everywhere. v5's make_cache gives sliding layers their form.
+        kv = KVCache([CatLayer() for _ in range(num_layers(model))])
     elif kv is None:
         # As generate() sizes it: the last new token is never fed back, so it never enters the cache.
         kv = make_cache(cache, model, **{"max_cache_len": tokens.shape[1] + new_tokens - 1, **(cache_options or {})})
@@ -215,16 +216,6 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "d
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return Generation(tokens, kv, time.perf_counter() - start)
-
-
-def sliding_dynamic(model) -> KVCache:
-    """`dynamic` under v5, as 5.x's `DynamicCache(config=...)` builds it: transformers' own
-    `DynamicSlidingWindowLayer` for each sliding layer (it keeps the last window - 1 tokens), `CatLayer` for the
-    others. The 4.x loops keep `CatLayer` everywhere: 4.40.1's SDPA and eager attention masked the window
-    but grew the cache in full."""
-    types, options = get_layer_types_and_kwargs(model.config.get_text_config(decoder=True))
-    return KVCache([DynamicSlidingWindowLayer(**kw) if "sliding" in kind else CatLayer()
-                    for kind, kw in zip(types, options)])
 
 
 def cache_batch(kv) -> int:

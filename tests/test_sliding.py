@@ -14,7 +14,8 @@ from kvlab import theory
 from kvlab.caches import cache_bytes
 from kvlab.lab.point import run_point
 from kvlab.lab.reference import INSTALLED, measure_references
-from kvlab.loops import generate, sliding_dynamic
+from kvlab.caches import make_cache
+from kvlab.loops import generate
 from kvlab.models import assert_varied, build_config, build_model, kv_bytes_per_token
 
 WINDOW = 64
@@ -51,7 +52,7 @@ def test_presets_keep_the_public_layouts_and_their_twins_scale_the_widths():
 @pytest.mark.parametrize("preset", ["mistral-7b-v0.1-twin", "gemma-3-4b-twin", "gpt-oss-20b-twin", "qwen3-8b-twin"])
 def test_v5_dynamic_picks_the_layers_transformers_dynamic_cache_picks(preset):
     model = build_model(preset, dtype="bfloat16")
-    ours, theirs = sliding_dynamic(model).layers, DynamicCache(config=model.config).layers
+    ours, theirs = make_cache("dynamic", model).layers, DynamicCache(config=model.config).layers
     assert [getattr(layer, "sliding_window", None) for layer in ours] == [
         getattr(layer, "sliding_window", None) for layer in theirs]
     assert [layer.is_sliding for layer in ours] == [layer.is_sliding for layer in theirs]
