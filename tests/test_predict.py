@@ -196,3 +196,10 @@ def test_the_inverse_questions_need_a_memory_size(capsys, no_model):
     with pytest.raises(SystemExit) as exit_info:
         main(["predict", *MISTRAL_V01, "--max-batch"])
     assert exit_info.value.code == 2 and "give --memory too" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset, held", [("gemma-3-4b", "1024 x 29 + 8299 x 5"), ("qwen3-8b", "8299 x 36")])
+def test_a_local_config_json_of_todays_layouts(tmp_path, capsys, no_model, preset, held):
+    build_config(preset).to_json_file(tmp_path / "config.json")
+    out = predict_output(capsys, "--preset", str(tmp_path), *MISTRAL_V01[2:], "--cache", "dynamic", "--loop", "v5")
+    assert held in out
