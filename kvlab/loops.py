@@ -28,7 +28,7 @@ from transformers import AttentionInterface, LogitsProcessorList, TemperatureLog
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .caches import CACHES, cache_length, cache_tensors, forward, make_cache
+from .caches import CACHES, CatLayer, KVCache, cache_length, cache_tensors, forward, make_cache, num_layers
 from .compat import cache_from_outputs
 
 
@@ -136,7 +136,11 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "d
         tokens = tokens.repeat_interleave(num_beams, dim=0)  # as generate() does, before the prompt
     batch = tokens.shape[0] // (num_beams if strategy == "beam" else 1)
     kv = past
-    if kv is None:
+    if kv is None and cache == "dynamic" and release.major == 4:
+        # 4.40.1's SDPA and eager attention masked a sliding window but grew the cache in full (only its
+        # FlashAttention-2 path sliced it): CatLayer everywhere. v5's make_cache gives sliding layers their form.
+        kv = KVCache([CatLayer() for _ in range(num_layers(model))])
+    elif kv is None:
         # As generate() sizes it: the last new token is never fed back, so it never enters the cache.
         kv = make_cache(cache, model, **{"max_cache_len": tokens.shape[1] + new_tokens - 1, **(cache_options or {})})
     elif strategy == "beam" and tokens.shape[0] != cache_batch(kv):

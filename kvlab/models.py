@@ -18,7 +18,8 @@ import torch
 from huggingface_hub.errors import StrictDataclassError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq,
-                          BartConfig, LlamaConfig, MistralConfig, Qwen2Config, T5Config, WhisperConfig)
+                          BartConfig, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config,
+                          Qwen3Config, T5Config, WhisperConfig)
 from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
 
 # Values copied from each model's public config.json on the Hugging Face hub.
@@ -45,23 +46,49 @@ DECODERS: dict[str, tuple[type, dict]] = {
         hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
         rope_theta=500000.0)),
+    # Today's attention layouts. Unlisted values are the config class's defaults in transformers 5.24, which
+    # are these checkpoints' own except where a value is given here.
+    "mistral-7b-v0.1": (MistralConfig, dict(  # mistralai/Mistral-7B-v0.1 as released: every layer slides, window 4096
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rms_norm_eps=1e-5,
+        sliding_window=4096)),
+    "gemma-3-4b": (Gemma3TextConfig, dict(  # google/gemma-3-4b-it's text_config: 5 sliding layers, then 1 full
+        hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, vocab_size=262208, sliding_window=1024, query_pre_attn_scalar=256)),
+    "gpt-oss-20b": (GptOssConfig, dict(  # openai/gpt-oss-20b: sliding (128) and full layers alternate; 32 experts
+        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
+        num_key_value_heads=8, head_dim=64, vocab_size=201088, sliding_window=128, num_local_experts=32,
+        num_experts_per_tok=4)),
+    "qwen3-8b": (Qwen3Config, dict(  # Qwen/Qwen3-8B: full attention in every layer
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
+        rope_theta=1000000.0, tie_word_embeddings=False)),
 }
 
-# Twins: a real model's layers, heads and KV heads, every width divided by TWIN_SCALE. The peak's
-# ratios (logits, activations and MLP bytes per KV byte) stay the same, and a point at the PR's
-# shape runs on a 2-core CPU in a minute or two instead of needing a GPU.
+# Twins: a real model's layers, heads and KV heads, every width divided by TWIN_SCALE (head_dim too where the
+# config spells it out; elsewhere it follows hidden_size). The peak's ratios (logits, activations and MLP bytes
+# per KV byte) stay the same, and a point at the PR's shape runs on a 2-core CPU in a minute or two instead of
+# needing a GPU. Sliding windows and the layer pattern are kept: how far a prompt reaches past the window is
+# what a sliding layer's bytes depend on.
 TWIN_SCALE = 32
-TWIN_WIDTHS = ("hidden_size", "intermediate_size", "vocab_size")
+TWIN_WIDTHS = ("hidden_size", "intermediate_size", "vocab_size", "head_dim")
+
+
+# GPT-OSS's experts run on torch's grouped_mm, which needs rows of a multiple of 16 bytes: 2880 / 32 = 90 is not,
+# so its twin's hidden and expert widths are rounded up to 96 (activations 7 % wider than an exact 1/32 scale).
+TWIN_EXCEPTIONS = {"gpt-oss-20b": dict(hidden_size=96, intermediate_size=96)}
 
 
 def _twin(name: str) -> tuple[type, dict]:
     config_class, values = DECODERS[name]
-    for key in TWIN_WIDTHS:
+    widths = [key for key in TWIN_WIDTHS if key in values and key not in TWIN_EXCEPTIONS.get(name, {})]
+    for key in widths:
         assert values[key] % TWIN_SCALE == 0, f"{name}: {key} is not a multiple of {TWIN_SCALE}"
-    return config_class, {**values, **{key: values[key] // TWIN_SCALE for key in TWIN_WIDTHS}}
+    return config_class, {**values, **{key: values[key] // TWIN_SCALE for key in widths}, **TWIN_EXCEPTIONS.get(name, {})}
 
 
-TWINS = {f"{name}-twin": name for name in ("llama2-7b", "mistral-7b", "llama3-8b")}
+TWINS = {f"{name}-twin": name for name in ("llama2-7b", "mistral-7b", "llama3-8b", "mistral-7b-v0.1", "gemma-3-4b",
+                                           "gpt-oss-20b", "qwen3-8b")}
 DECODERS.update({twin: _twin(name) for twin, name in TWINS.items()})
 
 # Random weights at transformers' default std (initializer_range 0.02) decode one token over and over: in our
@@ -354,6 +381,11 @@ def model_class(config) -> type:
     return AutoModelForSpeechSeq2Seq if speech else AutoModelForSeq2SeqLM
 
 
+def attention_of(config) -> str:
+    """SDPA, or eager where transformers has no SDPA path for the model (GPT-OSS: its attention sinks)."""
+    return "sdpa" if getattr(model_class(config)._model_mapping.get(type(config), None), "_supports_sdpa", True) else "eager"
+
+
 def instantiate(config, dtype: torch.dtype):
     """The model of a config, on the default device; one that transformers cannot build is one line."""
     try:
@@ -377,7 +409,7 @@ def build_model(preset: str = "toy", overrides=None, device: str = "cpu", dtype:
         except OSError:
             raise hub_error(preset, online) from None
     else:
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = attention_of(config)
         torch.manual_seed(seed)
         with torch.device(device):
             model = instantiate(config, torch_dtype)

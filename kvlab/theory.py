@@ -42,6 +42,41 @@ class Shape:
         return self.token * length
 
 
+def windows(config) -> list:
+    """Each layer's sliding window, None for a full-attention layer: as 5.x's `DynamicCache(config=...)` reads
+    the config (`layer_types`, else `sliding_window`)."""
+    from transformers.cache_utils import get_layer_types_and_kwargs
+    types, options = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    return [kw.get("sliding_window") if "sliding" in kind else None for kind, kw in zip(types, options)]
+
+
+class Layers:
+    """Token lengths of each layer's key (= value) storage under 5.x's dynamic layers. A sliding layer
+    (`DynamicSlidingWindowLayer`) cats the new tokens onto the last window - 1 it kept and keeps a view of that
+    result: its storage is min(cached, W - 1) + fed, so after a prefill of P > W tokens the whole P-token
+    buffer stays alive until the first decode step; a beam reorder copies the view (W - 1, contiguous)."""
+
+    def __init__(self, sliding: list):
+        self.sliding = sliding
+        self.storage = [0] * len(sliding)  # tokens of each layer's storage now
+        self.kept = [0] * len(sliding)  # tokens each layer's view (what the next cat copies) holds
+
+    def update(self, fed: int) -> None:
+        for i, window in enumerate(self.sliding):
+            self.storage[i] = self.kept[i] + fed
+            self.kept[i] = self.storage[i] if window is None else min(self.storage[i], window - 1)
+
+    def reorder(self, t: int) -> int:
+        """The peak of a beam reorder, one tensor at a time (keys then values, layer by layer), in bytes."""
+        total, peak = 2 * t * sum(self.storage), 0
+        for i in range(len(self.storage)):
+            for _ in "kv":
+                peak = max(peak, total + t * self.kept[i])
+                total += t * (self.kept[i] - self.storage[i])
+            self.storage[i] = self.kept[i]
+        return peak
+
+
 def _held(s: Shape, cache: str, length: int, capacity_of, max_len: int) -> int:
     """Bytes the cache design holds for `length` tokens."""
     if cache == "static":
@@ -82,6 +117,15 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
     static_len = max_len - 1  # as generate() sizes it: the last new token never enters the cache
     capacity_of = lambda n: math.ceil(n / block_tokens) * block_tokens  # noqa: E731
     groups = s.heads // s.kv_heads
+    # 5.x's dynamic cache on a sliding or hybrid config: each layer's storage walked step by step.
+    sliding = windows(config) if cache == "dynamic" and release.major == 5 else [None] * s.layers
+    layers = Layers(sliding) if any(sliding) else None
+    static_windows = [min(w or static_len, static_len) for w in windows(config)] if cache == "static" else []
+    static_windows = static_windows if any(w != static_len for w in static_windows) else []
+    window = next((w for w in windows(config) if w), None)  # the sliding mask's (one for every sliding layer)
+    # Gemma-3 computes rotary cos/sin once per layer type (its rope_parameters are keyed by layer type).
+    rope = getattr(config, "rope_parameters", None) or {}
+    rope_sets = len(rope) if rope and all(isinstance(v, dict) for v in rope.values()) else 1
     held_after_first = prompt + new - 1  # the caller's tuple during a restart
     chunks = 0
     best = (-1, None, None)
@@ -110,11 +154,21 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
             persistent["un-reordered tuple held by outputs (beam, v4.40)"] = s.kv(before)
         old_tuple = s.kv(before) if tuple_cache or runtime == "convert" else 0
         held_after = _held(s, cache, after, capacity_of, static_len)
+        if cache == "static" and static_windows:  # 5.x's StaticCache gives a sliding layer min(W, length) slots
+            held_after = 2 * s.t * sum(static_windows)
+        old_last, seen = before, after  # tokens of the last layer's values storage before its cat; keys attended
+        if layers is not None:
+            old_last = layers.storage[-1]
+            layers.update(fed)
+            held_after = 2 * s.t * sum(layers.storage)
+            seen = layers.storage[sliding.index(window)] if window else after
+        if window and seen >= window:  # SDPA's is_causal shortcut is off: a bool mask, alive for the whole forward
+            persistent["sliding-window attention mask (bool)"] = s.rows * fed * seen
         # Alive in the last layer: the embeddings, the residual stream, the normed input, q, k, v and the
         # rotary cos/sin (one row per sequence, from the position ids). The model keeps `inputs_embeds`
         # referenced for its whole forward.
         hidden_states = 3 * s.rows * fed * s.hidden * s.e
-        rotary = 2 * s.rows * fed * s.head_dim * s.e
+        rotary = 2 * s.rows * fed * s.head_dim * s.e * rope_sets
         layer_acts = hidden_states + s.rows * fed * (s.heads + 2 * s.kv_heads) * s.head_dim * s.e + rotary
 
         # Phase: the last layer's cache update (its copies die before attention starts) ...
@@ -122,7 +176,7 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
                 "activations of one layer": layer_acts}
         update, attention = dict(base), dict(base)
         if cache == "dynamic" and before > 0 and not (call == 1 and first_of_call and restart_from == "tuples"):
-            update["old values tensor during its cat"] = s.t * before  # (else the caller's tuple holds it)
+            update["old values tensor during its cat"] = s.t * old_last  # (else the caller's tuple holds it)
         if cache == "list":
             chunks = 1 if index == 0 else chunks + 1
             if chunks >= chunk_limit:
@@ -150,26 +204,45 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
                              "fp32 upcast of every position's logits (<= 4.42)": s.rows * fed * s.vocab * FP32
                              if release.major == 4 and s.e != FP32 else 0,
                              "final hidden states": s.rows * fed * s.hidden * s.e}
+        # Phase: after the forward, v4.42 and v5 copy the last position's logits to fp32 while the forward's logits
+        # and the previous step's copy are alive; beam search then scores them (log_softmax, plus the beam
+        # scores: two more vocabulary-wide tensors) while the previous step's scores are alive.
+        vocab_fp32 = s.rows * s.vocab * FP32
+        if not keeps_outputs:
+            phases["next-token logits"] = {
+                "cache after the update": held_after, "old tuple still referenced": old_tuple,
+                "forward's logits": s.rows * kept * s.vocab * (FP32 if release.major == 4 else s.e),
+                "next-token logits (fp32)": vocab_fp32}
+        if strategy == "beam" and not keeps_outputs:
+            phases["beam scoring"] = {"cache after the update": held_after, "next-token logits (fp32)": vocab_fp32,
+                                      "log_softmax and beam scores (fp32)": 2 * vocab_fp32}
         # Phase: beam reorder after the forward.
         if strategy == "beam":
             if tuple_cache and keeps_outputs:
                 reorder = {"un-reordered tuple (held by outputs)": s.kv(after), "reordered tuple": s.kv(after)}
             else:  # one tensor at a time, the old one freed before the next is copied
-                largest = {"prealloc": capacity_of(after), "static": static_len,
+                largest = {"prealloc": capacity_of(after), "static": max(static_windows or [static_len]),
                            "list": after - (chunks - 1)}.get(cache, after)  # list: its largest chunk
                 reorder = {"cache": held_after, "one reordered tensor": s.t * largest}
+                if layers is not None:
+                    peak = layers.reorder(s.t)
+                    reorder = {"cache": held_after, "one reordered tensor": peak - held_after}
             reorder["logits kept (v4.40)" if keeps_outputs else "next-token logits (fp32)"] = (
                 s.rows * fed * s.vocab * FP32 if keeps_outputs else s.rows * s.vocab * FP32)
             reorder["beam scores (fp32)"] = s.rows * s.vocab * FP32
             phases["beam reorder"] = reorder
 
         for name, terms in phases.items():
-            terms = {**persistent, **(previous if name != "beam reorder" else {}), **terms}
+            kept_previous = {"beam reorder": {}, "beam scoring": {k: v for k, v in previous.items() if "beam" in k}}
+            terms = {**persistent, **kept_previous.get(name, previous), **terms}
             total = sum(terms.values())
             if total > best[0]:
                 best = (total, f"step {index} ({'restart ' if call else ''}{name})", terms)
         prev_logits = s.rows * fed * s.vocab * FP32 if keeps_outputs else 0
-    return best[0], best[1], best[2], s.kv(max_len)
+    # Tokens each layer's storage holds at the end (5.x sliding layers plateau at the window, the rest grow).
+    held_tokens = list(layers.storage) if layers is not None else static_windows or [
+        {"static": static_len, "prealloc": capacity_of(max_len - 1)}.get(cache, max_len - 1)] * s.layers
+    return best[0], best[1], best[2], s.kv(max_len), held_tokens
 
 
 def _exported_peak(s: Shape, prompt: int, new: int):
@@ -201,7 +274,7 @@ def _exported_peak(s: Shape, prompt: int, new: int):
             total = sum(terms.values())
             if total > best[0]:
                 best = (total, f"step {index} ({name})", terms)
-    return best[0], best[1], best[2], s.kv(prompt + new)
+    return best[0], best[1], best[2], s.kv(prompt + new), [last] * s.layers
 
 
 def predict_overhead(config, **point) -> int:
@@ -209,10 +282,16 @@ def predict_overhead(config, **point) -> int:
     return int(peak_phases(config, **point)[0])
 
 
+def tokens_per_layer(held: list) -> str:
+    """`[4096] * 32` → "4096 x 32"; a hybrid layout lists each length with its count."""
+    return " + ".join(f"{length} x {held.count(length)}" for length in sorted(set(held)))
+
+
 def explain(config, **point) -> dict:
     """The peak, where it happens and the terms that make it, for printing."""
-    total, where, terms, kv_final = peak_phases(config, **point)
+    total, where, terms, kv_final, held = peak_phases(config, **point)
     return {"predicted_overhead_bytes": int(total), "kv_final_bytes": kv_final,
+            "cache_tokens_per_layer": tokens_per_layer(held),
             "overhead_over_kv": round(total / kv_final, 4), "peak_at": where,
             "terms_bytes": {k: int(v) for k, v in terms.items() if v}}
 

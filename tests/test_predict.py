@@ -144,3 +144,62 @@ def test_predict_json_reports_the_points_own_values(capsys):
     beam = json.loads(predict_output(capsys, *LLAMA_PR_POINT, "--json", "--device", "meta", "--strategy", "beam",
                                      "--num-beams", "3"))
     assert (beam["strategy"], beam["num_beams"]) == ("beam", 3)
+
+
+MISTRAL_V01 = ["--preset", "mistral-7b-v0.1", "--dtype", "bfloat16", "--batch", "1", "--prompt", "300", "--new", "8000"]
+
+
+def test_a_sliding_cache_plateaus_at_the_window_where_the_4x_loops_grow_it_in_full(capsys, no_model):
+    """The issue (checked on 5.24): prompt 300 + 8000 new keeps 4095 tokens per layer (storage 4096), ≈ 512 MiB at
+    7B bf16 batch 1 instead of ≈ 1.01 GiB; 4.40.1's SDPA path grew the cache in full."""
+    out = predict_output(capsys, *MISTRAL_V01)
+    rows = {line.split()[0]: line for line in out.splitlines() if "/v" in line}
+    assert "4096 x 32" in rows["dynamic/v5"]
+    for design in ("tuple/v4.40", "dynamic/v4.42"):
+        assert "8299 x 32" in rows[design]
+    result = json.loads(predict_output(capsys, *MISTRAL_V01, "--json"))
+    cache = {(d["cache"], d["loop"]): d["terms_bytes"]["cache after the update"] for d in result["designs"]}
+    assert cache["dynamic", "v5"] == 512 * 2**20
+    assert cache["tuple", "v4.40"] / GIB == pytest.approx(1.01, abs=0.005)
+
+
+def test_overhead_is_the_batch_times_that_of_batch_one():
+    """What --max-batch relies on: every byte kvlab.theory counts belongs to one sequence (or beam)."""
+    for preset, point in (("mistral-7b-v0.1-twin", dict(prompt=300, new=200)),
+                          ("gemma-3-4b", dict(prompt=2000, new=50, strategy="beam")),
+                          ("llama2-7b", dict(prompt=300, new=100, cache="tuple", loop="v4.40"))):
+        config = build_config(preset)
+        one = theory.predict_overhead(config, batch=1, dtype="bfloat16", **point)
+        assert theory.predict_overhead(config, batch=7, dtype="bfloat16", **point) == 7 * one
+
+
+def test_max_batch_and_max_new_are_the_largest_that_fit(no_model):
+    memory = parse_bytes("14.5GiB")
+    p = normalize(preset="mistral-7b-v0.1", dtype="bfloat16", batch=1, prompt=300, new=8000)
+    designs = [("dynamic", "v5"), ("tuple", "v4.40")]
+    result = kvlab.lab.predict.predict(p, designs, memory, max_batch=True, max_new=True)
+    config, weights = build_config("mistral-7b-v0.1"), result["weights_bytes"]
+    fits = lambda cache, loop, **change: weights + theory.predict_overhead(  # noqa: E731
+        config, **kvlab.lab.predict.point_of(p, cache=cache, loop=loop, **change)) <= memory
+    rows = {(d["cache"], d["loop"]): d for d in result["designs"]}
+    for (cache, loop), row in rows.items():
+        assert row["max_batch"] == 0 or fits(cache, loop, batch=row["max_batch"])
+        assert not fits(cache, loop, batch=row["max_batch"] + 1)
+    assert rows["dynamic", "v5"]["max_batch"] == 1 and rows["tuple", "v4.40"]["max_batch"] == 0  # at 8000 new
+    # The sliding cache plateaus: the model's whole context fits. The full one does not: 2 x KV grows per token.
+    assert rows["dynamic", "v5"]["max_new"] == 32768 - 300 and rows["dynamic", "v5"]["max_new_is_context"]
+    longest = rows["tuple", "v4.40"]["max_new"]
+    assert 1000 < longest < 8000 and fits("tuple", "v4.40", new=longest) and not fits("tuple", "v4.40", new=longest + 1)
+
+
+def test_the_inverse_questions_need_a_memory_size(capsys, no_model):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["predict", *MISTRAL_V01, "--max-batch"])
+    assert exit_info.value.code == 2 and "give --memory too" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("preset, held", [("gemma-3-4b", "1024 x 29 + 8299 x 5"), ("qwen3-8b", "8299 x 36")])
+def test_a_local_config_json_of_todays_layouts(tmp_path, capsys, no_model, preset, held):
+    build_config(preset).to_json_file(tmp_path / "config.json")
+    out = predict_output(capsys, "--preset", str(tmp_path), *MISTRAL_V01[2:], "--cache", "dynamic", "--loop", "v5")
+    assert held in out

@@ -104,7 +104,7 @@ def cmd_predict(args) -> None:
     designs = [(cache, loop) for cache, loop in DESIGNS if args.cache in (None, cache) and args.loop in (None, loop)]
     if not designs or (args.cache and args.loop):
         designs = [(p["cache"], p["loop"])]
-    result = predict(p, designs, memory)
+    result = predict(p, designs, memory, max_batch=args.max_batch, max_new=args.max_new)
     print(json.dumps(result, indent=2) if args.json else format_prediction(result))
 
 
@@ -177,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="run even if the predicted peak exceeds the free memory of the device")
     predict.add_argument("--memory", default=None, metavar="SIZE",
                          help="say whether each design fits in this much memory (e.g. 24GiB, 80GB, 512MiB, bytes)")
+    predict.add_argument("--max-batch", action="store_true", help="with --memory: the largest batch each design fits")
+    predict.add_argument("--max-new", action="store_true",
+                         help="with --memory: the most new tokens each design fits (up to the model's context)")
     predict.add_argument("--json", action="store_true", help="print the prediction, term by term, as JSON (bytes)")
 
     explain = sub.add_parser("explain", help="who holds the bytes: the live tensors at a greedy run's peak, by what "

@@ -18,7 +18,7 @@ from .point import beams
 
 GIB = 2**30
 # Decoders whose layers kvlab.theory walks through (attention with grouped KV heads, gated MLP).
-MODELED = ("llama", "mistral", "qwen2")
+MODELED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
 UNITS = {"": 1, "b": 1, "byte": 1, "bytes": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20,
          "gb": 10**9, "gib": 2**30, "tb": 10**12, "tib": 2**40}
 
@@ -69,8 +69,37 @@ def point_of(p: dict, **changes) -> dict:
     return {**{key: p[key] for key in theory.POINT_KEYS}, **changes}
 
 
-def predict(p: dict, designs, memory: int | None = None) -> dict:
-    """The predicted peak of a normalized point under each (cache, loop) design; `fits` when `memory` is given."""
+def largest_new(fits, limit: int) -> int:
+    """The largest n in 1..limit with fits(n), for a fits that holds up to some n and not beyond (the peak grows
+    with the tokens generated); 0 if not even one. Doubling, then bisection: a few walks of the theory."""
+    if fits(limit):  # one walk when the whole context fits (a sliding cache's plateau, a large memory)
+        return limit
+    if not fits(1):
+        return 0
+    low, high = 1, 2
+    while high < limit and fits(high):
+        low, high = high, 2 * high
+    high = min(high, limit)
+    if fits(high):
+        return high
+    while high - low > 1:  # fits(low), not fits(high)
+        middle = (low + high) // 2
+        low, high = (middle, high) if fits(middle) else (low, middle)
+    return low
+
+
+def context_limit(config, p: dict) -> int:
+    """New tokens the model's positions allow after the prompt (and a restart's tokens)."""
+    return config.max_position_embeddings - p["prompt"] - p["restart_new"]
+
+
+def predict(p: dict, designs, memory: int | None = None, max_batch: bool = False, max_new: bool = False) -> dict:
+    """The predicted peak of a normalized point under each (cache, loop) design; `fits` when `memory` is given, and
+    the inverse questions for that memory: the largest batch (`max_batch`; every byte theory counts is per
+    sequence, so the overhead is the batch times that of batch 1) and the longest generation (`max_new`, up to
+    the model's context)."""
+    if (max_batch or max_new) and memory is None:
+        raise ValueError("--max-batch and --max-new answer for a memory size: give --memory too")
     config = load_config(p["preset"], p["overrides"])
     if config.model_type not in MODELED:
         raise ValueError(f"{p['preset']}: model_type {config.model_type!r} is not modelled by kvlab.theory, which "
@@ -82,6 +111,14 @@ def predict(p: dict, designs, memory: int | None = None) -> dict:
         row["peak_bytes"] = weights + row["predicted_overhead_bytes"]
         if memory is not None:
             row["fits"] = row["peak_bytes"] <= memory
+        if max_batch:
+            one = theory.predict_overhead(config, **point_of(p, cache=cache, loop=loop, batch=1))
+            row["max_batch"] = max(0, (memory - weights) // one)
+        if max_new:
+            limit = context_limit(config, p)
+            row["max_new"] = largest_new(lambda n: weights + theory.predict_overhead(
+                config, **point_of(p, cache=cache, loop=loop, new=n)) <= memory, limit)
+            row["max_new_is_context"] = row["max_new"] == limit
         rows.append(row)
     sizes = {key: p[key] for key in ("preset", "overrides", "dtype", "strategy", "batch", "prompt", "new", "restart_new")}
     model = {key: getattr(config, key, None) for key in ("model_type", "num_hidden_layers", "hidden_size",
@@ -97,11 +134,18 @@ def format_prediction(result: dict) -> str:
     beams = f", {r['num_beams']} beams" if r["strategy"] == "beam" else ""
     restart = f" + {r['restart_new']} after a restart" if r["restart_new"] else ""
     fits = [f"fits in {gib(memory)} GiB"] if memory is not None else []
-    table = [["design", "peak GiB", "overhead GiB", "overhead/KV", "KV GiB", *fits, "peak at"]]
+    first = r["designs"][0] if r["designs"] else {}
+    inverse = [name for key, name in (("max_batch", "max batch"), ("max_new", "max new")) if key in first]
+    table = [["design", "peak GiB", "overhead GiB", "overhead/KV", "KV GiB", *fits, *inverse, "cache at the end: tokens x layers",
+              "peak at"]]
     for d in r["designs"]:
+        answers = [str(d["max_batch"])] if "max_batch" in d else []
+        if "max_new" in d:
+            answers.append(f"{d['max_new']}{' (context)' if d['max_new_is_context'] else ''}")
         table.append([f"{d['cache']}/{d['loop']}", gib(d["peak_bytes"]), gib(d["predicted_overhead_bytes"]),
                       f"{d['overhead_over_kv']:.3f}", gib(d["kv_final_bytes"]),
-                      *(["yes" if d["fits"] else "NO"] if fits else []), d["peak_at"]])
+                      *(["yes" if d["fits"] else "NO"] if fits else []), *answers, d["cache_tokens_per_layer"],
+                      d["peak_at"]])
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     return "\n".join([
         f"{name}: {m['model_type']}, {m['num_hidden_layers']} layers, hidden {m['hidden_size']}, "
@@ -111,7 +155,11 @@ def format_prediction(result: dict) -> str:
         # the four numbers right-aligned, the rest left-aligned
         *("  ".join(c.rjust(w) if 1 <= i <= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
           for row in table), "",
-        "peak = weights + overhead (kvlab.theory, live bytes above the weights); KV = final cache size"])
+        "peak = weights + overhead (kvlab.theory, live bytes above the weights); KV = prompt + new tokens in every "
+        "layer; cache at the end = what each layer's storage holds (5.x sliding layers stop at the window)",
+        *([f"max batch / max new: the largest batch (at {r['new']} new) and the longest generation (at batch "
+           f"{r['batch']}) each design fits in {gib(memory)} GiB; (context): the model's positions end first"]
+          if inverse else [])])
 
 
 def check_fits(p: dict, model=None) -> None:

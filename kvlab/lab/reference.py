@@ -100,7 +100,7 @@ def measure_reference(version: str = "4.40.1", **point) -> dict:
 def measure_references(version: str, points: list[dict]) -> list[dict]:
     """Several points (dicts of `measure_reference`'s keywords) in one subprocess: the release is imported
     once, and each point still builds its own model and prompt."""
-    from ..models import build_config, kv_bytes_per_token, parse_dtype, parse_overrides, resolve_device
+    from ..models import attention_of, build_config, kv_bytes_per_token, parse_dtype, parse_overrides, resolve_device
     from .point import DEFAULTS  # here, not above: the worker's process imports this module under old releases
     defaults = dict({key: DEFAULTS[key] for key in REFERENCE_KEYS}, cache_implementation=None)
     specs = []
@@ -118,13 +118,17 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
                              f"{', '.join(RELEASES)}")
         parse_dtype(p["dtype"])
         config = build_config(p["preset"], p["overrides"])  # raises on a bad preset or override, before any subprocess
-        values = {key: getattr(config, key) for key in CONFIG_KEYS if hasattr(config, key)}
-        rope = getattr(config, "rope_parameters", None) or {}  # 5.x nests rope_theta there
-        values["rope_theta"] = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        if version == INSTALLED:  # the same release: every value (layer_types, head_dim, experts, rope), as is
+            values = {key: value for key, value in config.to_dict().items() if not key.startswith("_")
+                      and key not in ("transformers_version", "architectures", "dtype", "model_type")}
+        else:
+            values = {key: getattr(config, key) for key in CONFIG_KEYS if hasattr(config, key)}
+            rope = getattr(config, "rope_parameters", None) or {}  # 5.x nests rope_theta there
+            values["rope_theta"] = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         p["overrides"] = ",".join(f"{k}={v}" for k, v in parse_overrides(p["overrides"]).items())  # as kvlab's records
         p["num_beams"] = p["num_beams"] if p["strategy"] == "beam" else 1
         p["kv_final_bytes"] = kv_bytes_per_token(config, p["batch"] * p["num_beams"], p["dtype"]) * (p["prompt"] + p["new"] + p["restart_new"])
-        specs.append(dict(p, model_type=config.model_type, config=values))
+        specs.append(dict(p, model_type=config.model_type, config=values, attention=attention_of(config)))
     target = install_reference(version)
     path = [str(ROOT)] if target is None else [str(target), str(ROOT)]
     result = subprocess.run([sys.executable, "-m", "kvlab.lab.reference", json.dumps(dict(version=version, points=specs))],
@@ -171,7 +175,7 @@ def _measure_point(spec: dict) -> dict:
 
     before_5 = int(transformers.__version__.split(".")[0]) < 5
     dtype = getattr(torch, {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(spec["dtype"], spec["dtype"]))
-    config = AutoConfig.for_model(spec["model_type"], **spec["config"], attn_implementation="sdpa")
+    config = AutoConfig.for_model(spec["model_type"], **spec["config"], attn_implementation=spec["attention"])
     config.eos_token_id = None  # never stop early: every run decodes exactly `new` tokens
     config.use_cache = True
     # As kvlab.models.build_model: seed, then build on the device (weights equal only if init order is).
@@ -205,7 +209,7 @@ def _measure_point(spec: dict) -> dict:
     if out.shape != (spec["batch"], spec["prompt"] + spec["new"] + spec["restart_new"]):
         raise RuntimeError(f"generate() returned shape {tuple(out.shape)}, not (batch, prompt + new)")
     report, tokens = meter.report(), out[:, spec["prompt"]:].tolist()
-    return dict({k: v for k, v in spec.items() if k not in ("model_type", "config")}, baseline_bytes=report.baseline_bytes,
+    return dict({k: v for k, v in spec.items() if k not in ("model_type", "config", "attention")}, baseline_bytes=report.baseline_bytes,
                 peak_bytes=report.peak_bytes, overhead_bytes=report.overhead_bytes, meter=report.method,
                 weights_sha256=weights_digest(model),
                 tokens_sha256=hashlib.sha256(json.dumps(tokens).encode()).hexdigest(), tokens=tokens)

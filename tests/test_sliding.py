@@ -1,0 +1,125 @@
+"""Today's attention layouts: sliding-window and hybrid presets, kvlab's `dynamic` under v5 against transformers
+5.x's own `generate()`, and kvlab.theory against the meter at prompts longer than the window.
+
+The twins keep their real windows (Mistral 4096, Gemma-3 1024, GPT-OSS 128); a Mistral-7B-v0.1 twin prompt past
+4096 tokens takes two minutes on one core, so these points override `sliding_window` to 64 (Gemma-3 too):
+what a sliding layer holds depends on the prompt and the generation against the window, not on its size.
+"""
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+from kvlab import theory
+from kvlab.caches import cache_bytes
+from kvlab.lab.point import run_point
+from kvlab.lab.reference import INSTALLED, measure_references
+from kvlab.caches import make_cache
+from kvlab.loops import generate
+from kvlab.models import assert_varied, build_config, build_model, kv_bytes_per_token
+
+WINDOW = 64
+# (preset, overrides, prompt): every prompt is longer than the window; Qwen3-8B is all full attention.
+TWINS = {"mistral": ("mistral-7b-v0.1-twin", f"sliding_window={WINDOW}", 100),
+         "gemma3": ("gemma-3-4b-twin", f"sliding_window={WINDOW}", 100),
+         "qwen3": ("qwen3-8b-twin", "", 100)}
+NEW = 120  # the plateau: every sliding layer has reached its window long before the end
+QUICK_NEW = 20  # make test's points: the prompt is past the window already, so the first decode step plateaus
+TOLERANCE = 0.01  # the issue's claim: theory within 1 % of the meter, kvlab within 1 % of the real 5.x
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def test_presets_keep_the_public_layouts_and_their_twins_scale_the_widths():
+    mistral, gemma, oss, qwen = (build_config(name) for name in ("mistral-7b-v0.1", "gemma-3-4b", "gpt-oss-20b",
+                                                                 "qwen3-8b"))
+    assert theory.windows(mistral) == [4096] * 32
+    assert theory.windows(gemma) == ([1024] * 5 + [None]) * 5 + [1024] * 4  # 5 sliding, then 1 full; 34 layers
+    assert theory.windows(oss) == [128, None] * 12 and oss.num_local_experts == 32
+    assert theory.windows(qwen) == [None] * 36
+    for name in ("mistral-7b-v0.1", "gemma-3-4b", "qwen3-8b"):  # every KV byte scales by 1/32
+        full, twin = build_config(name), build_config(f"{name}-twin")
+        assert kv_bytes_per_token(twin, 1, "bfloat16") * 32 == kv_bytes_per_token(full, 1, "bfloat16")
+        assert theory.windows(twin) == theory.windows(full)
+    assert build_config("gpt-oss-20b-twin").hidden_size == 96  # grouped_mm's 16-byte rows (see TWIN_EXCEPTIONS)
+
+
+@pytest.mark.parametrize("preset", ["mistral-7b-v0.1-twin", "gemma-3-4b-twin", "gpt-oss-20b-twin", "qwen3-8b-twin"])
+def test_v5_dynamic_picks_the_layers_transformers_dynamic_cache_picks(preset):
+    model = build_model(preset, dtype="bfloat16")
+    ours, theirs = make_cache("dynamic", model).layers, DynamicCache(config=model.config).layers
+    assert [getattr(layer, "sliding_window", None) for layer in ours] == [
+        getattr(layer, "sliding_window", None) for layer in theirs]
+    assert [layer.is_sliding for layer in ours] == [layer.is_sliding for layer in theirs]
+
+
+def test_a_sliding_layer_keeps_the_prefill_buffer_until_the_first_decode_step():
+    model = build_model("mistral-7b-v0.1-twin", [f"sliding_window={WINDOW}"])
+    prompt, token = 100, kv_bytes_per_token(model.config, 1, "float32")
+    ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+    for new, held in ((1, prompt), (2, WINDOW), (30, WINDOW)):  # storages: P after the prefill, then the window
+        kv = generate(model, ids, new, cache="dynamic", loop="v5").cache
+        assert cache_bytes(kv) == held * token, new
+        assert theory.explain(model.config, cache="dynamic", loop="v5", batch=1, prompt=prompt, new=new)[
+            "cache_tokens_per_layer"] == f"{held} x 32"
+    v440 = generate(model, ids, 30, cache="dynamic", loop="v4.40").cache  # 4.40.1's SDPA path grew it in full
+    assert cache_bytes(v440) == (prompt + 29) * token
+
+
+def _theory_point(twin, dtype, strategy, cache="dynamic", loop="v5", new=NEW):
+    preset, overrides, prompt = TWINS[twin]
+    record = run_point(preset=preset, overrides=overrides, cache=cache, loop=loop, dtype=dtype, strategy=strategy,
+                       batch=1, prompt=prompt, new=new, num_beams=3, device="cpu", timing=False)
+    assert abs(record["prediction_error"]) <= TOLERANCE, (twin, cache, loop, dtype, strategy, record["prediction_error"])
+
+
+@pytest.mark.parametrize("twin, strategy", [("mistral", "beam"), ("gemma3", "greedy")])
+def test_theory_of_the_sliding_twins_within_one_percent(twin, strategy):
+    _theory_point(twin, "bfloat16", strategy, new=QUICK_NEW)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+@pytest.mark.parametrize("twin", list(TWINS))
+def test_theory_of_each_twin_every_dtype_and_strategy(twin, dtype, strategy):
+    _theory_point(twin, dtype, strategy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("design", [("tuple", "v4.40"), ("dynamic", "v4.42")])
+def test_theory_of_the_4x_loops_growing_a_sliding_config_in_full(design):
+    _theory_point("mistral", "bfloat16", "greedy", *design)
+
+
+def _against_the_real_5x(preset, overrides, prompt, points, new=40):
+    common = dict(preset=preset, overrides=overrides, batch=1, prompt=prompt, new=new, num_beams=3, device="cpu")
+    for point, real in zip(points, measure_references(INSTALLED, [dict(common, **p) for p in points])):
+        ours = run_point(cache="dynamic", loop="v5", timing=False, **common, **point)
+        assert ours["overhead_bytes"] / real["overhead_bytes"] == pytest.approx(1, abs=TOLERANCE), (preset, point)
+        generated = build_model(preset, overrides, dtype=point["dtype"])
+        ids = torch.randint(0, generated.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+        tokens = generate(generated, ids, new, cache="dynamic", loop="v5", strategy=point["strategy"], num_beams=3)
+        if point["strategy"] == "greedy":
+            assert tokens.tokens[:, prompt:].tolist() == real["tokens"]
+            assert_varied(tokens.tokens[:, prompt:])
+
+
+def test_kvlab_v5_dynamic_matches_the_real_5x_on_the_mistral_twin():
+    _against_the_real_5x("mistral-7b-v0.1-twin", f"sliding_window={WINDOW}", 100,
+                         [dict(dtype="bfloat16", strategy="greedy")], new=QUICK_NEW)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("preset, overrides, prompt", [
+    ("mistral-7b-v0.1-twin", f"sliding_window={WINDOW}", 100), ("gemma-3-4b-twin", f"sliding_window={WINDOW}", 100),
+    ("gpt-oss-20b-twin", "", 200), ("qwen3-8b-twin", "", 100)])
+def test_kvlab_v5_dynamic_matches_the_real_5x_on_every_twin(preset, overrides, prompt):
+    _against_the_real_5x(preset, overrides, prompt, [dict(dtype=dtype, strategy=strategy) for dtype in
+                                                     ("float32", "bfloat16") for strategy in ("greedy", "beam")])
