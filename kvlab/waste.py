@@ -263,11 +263,11 @@ def cache_storage_by_step(model, ids: torch.Tensor, new: int, **options) -> list
 
 # The cache against generated tokens: a full-attention model beside today's sliding (Mistral-7B-v0.1: every
 # layer, window 4096) and hybrid (Gemma-3-4B: 5 sliding layers of window 1024, then 1 full) layouts.
-GROWTH = dict(presets=["llama2-7b-twin", "mistral-7b-v0.1-twin", "gemma-3-4b-twin"], prompt=64, new=4500)
+GROWTH = dict(presets=["llama2-7b-twin", "mistral-7b-v0.1-twin", "gemma-3-4b-twin"], prompt=64, new=4200, overrides={})
 
 
 def cache_growth(presets=GROWTH["presets"], prompt: int = GROWTH["prompt"], new: int = GROWTH["new"],
-                 every: int = 1, overrides: dict | None = None) -> "pd.DataFrame":
+                 every: int = 1, overrides: dict | None = GROWTH["overrides"]) -> "pd.DataFrame":
     """For each preset (bf16, batch 1; `overrides` maps a preset to its config overrides), the storage of
     transformers' own DynamicCache after each forward of generate(): one row per forward (every `every`-th),
     with the tokens the model has seen by then and what the cache would hold with every layer full."""
@@ -278,7 +278,7 @@ def cache_growth(presets=GROWTH["presets"], prompt: int = GROWTH["prompt"], new:
         ids = torch.randint(0, model.config.vocab_size, (COMMON["batch"], prompt),
                             generator=torch.Generator().manual_seed(COMMON["seed"]))
         sizes = cache_storage_by_step(model, ids, new)
-        rows += [dict(preset=preset, forward=i, tokens=prompt + i, cache_storage_bytes=size,
+        rows += [dict(preset=preset, overrides=_text((overrides or {}).get(preset, {})), forward=i, tokens=prompt + i, cache_storage_bytes=size,
                       full_cache_bytes=final_cache_bytes(_full(model.config), COMMON["batch"], prompt + i, 1,
                                                          COMMON["dtype"]))
                  for i, size in enumerate(sizes) if i % every == 0 or i == len(sizes) - 1]

@@ -206,11 +206,13 @@ def mode_lines(ax, df: pd.DataFrame, x: str, y: str, modes=None):
 def waste_figure(table: pd.DataFrame, title: str = ""):
     """The peak above the weights of each point of a `kvlab.waste` table, one stacked bar each: the final cache
     and one step's activations (grey), then every term above them (colours; a negative term, a cache not yet
-    grown, is drawn left of the bar's end), and the fix's peak as a black tick. MiB from zero."""
+    grown, is drawn left of the bar's end), and each fix's peak as a tick. MiB from zero."""
     points = list(dict.fromkeys(table["point"]))
     terms = [t for t in dict.fromkeys(table.loc[table["kind"] == "term", "term"])
              if table.loc[table["term"] == t, "bytes"].abs().max() > 0]
     colours = dict(zip(terms, sns.color_palette("tab10", len(terms))))
+    fixes = list(dict.fromkeys(table.loc[table["kind"] == "fix", "term"]))
+    fix_colours = dict(zip(fixes, ["black", "tab:red", "tab:purple", "tab:brown"]))
     fig, ax = plt.subplots(figsize=(9.5, 1.0 + 0.9 * len(points)))
     for y, name in enumerate(points):
         rows = table[table["point"] == name].set_index("term")
@@ -226,8 +228,10 @@ def waste_figure(table: pd.DataFrame, title: str = ""):
                 ax.barh(y, width, left=left if width > 0 else left + width, color=colours[term],
                         label=term if term not in ax.get_legend_handles_labels()[1] else None)
                 left += width
-        ax.plot([(rows["fix_peak_bytes"].iloc[0] - weights) / MIB] * 2, [y - 0.45, y + 0.45], color="black",
-                linewidth=2, label="the fix's peak" if y == 0 else None)
+        for _, row in rows[rows["kind"] == "fix"].iterrows():
+            label = f"peak with the fix: {row['term']}"
+            ax.plot([(row["bytes"] - weights) / MIB] * 2, [y - 0.45, y + 0.45], linewidth=2.5,
+                    color=fix_colours[row["term"]], label=None if label in ax.get_legend_handles_labels()[1] else label)
         ax.text(left, y, f"  {(left * MIB) / rows.loc['final cache', 'bytes']:.3f} x final cache", va="center",
                 fontsize=9)
     ax.set_yticks(range(len(points)), [_point_label(table[table["point"] == p].iloc[0]) for p in points], fontsize=9)
@@ -250,12 +254,13 @@ def cache_growth_figure(growth: pd.DataFrame, title: str = ""):
     """The storage of transformers' DynamicCache against the tokens seen, one line per model, beside what the
     same model would hold with every layer full (dotted). MiB from zero."""
     fig, ax = plt.subplots(figsize=(8.5, 4.5))
-    colours = dict(zip(dict.fromkeys(growth["preset"]), sns.color_palette("tab10")))
-    for preset, rows in growth.groupby("preset", sort=False):
-        ax.plot(rows["tokens"], rows["cache_storage_bytes"] / MIB, color=colours[preset], label=preset)
+    names = growth["preset"] + growth["overrides"].fillna("").map(lambda o: f" ({o})" if o else "")
+    colours = dict(zip(dict.fromkeys(names), sns.color_palette("tab10")))
+    for name, rows in growth.groupby(names, sort=False):
+        ax.plot(rows["tokens"], rows["cache_storage_bytes"] / MIB, color=colours[name], label=name)
         if (rows["full_cache_bytes"] != rows["cache_storage_bytes"]).any():
-            ax.plot(rows["tokens"], rows["full_cache_bytes"] / MIB, ":", color=colours[preset],
-                    label=f"{preset}, every layer full")
+            ax.plot(rows["tokens"], rows["full_cache_bytes"] / MIB, ":", color=colours[name],
+                    label=f"{name}, every layer full")
     ax.set(xlim=(0, None), ylim=(0, None), xlabel="tokens seen (prompt + generated)",
            ylabel="cache storage (MiB)")
     ax.set_title(title or "transformers 5.24's DynamicCache against tokens: twins, bf16, CPU, batch 1", fontsize=10)
