@@ -58,7 +58,7 @@ class Explanation:
     op_index: int  # the op's number in the run
     where: str  # the Python line (outside torch) that ran it
     held: list[Held] = field(default_factory=list)  # largest first
-    forward: int | None = None  # which of the model's forwards the op ran in (0: the prefill), when it was given
+    forward: int | None = None  # the model forward the op ran in (0: the prefill; -1: before it), given the model
 
     def format(self) -> str:
         """A table: storages grouped by their first holder's name with indices as [i], largest first."""
