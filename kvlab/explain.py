@@ -165,8 +165,14 @@ def _look(counter: _OpCounter, op: str, dispatch_frame) -> Explanation:
         held.append(Held(nbytes, shape, nbytes if first is None else first.numel() * first.element_size(), holders))
     held.sort(key=lambda h: -h.nbytes)
     caller = (ours or frames)[-1]
-    where = f"{caller.f_code.co_qualname} ({caller.f_code.co_filename}:{caller.f_lineno})"
+    where = f"{caller.f_code.co_qualname} ({_importable(caller.f_code.co_filename)}:{caller.f_lineno})"
     return Explanation(counter.live_bytes, op, len(counter.live_after) - 1, where, held)
+
+
+def _importable(filename: str) -> str:
+    """A source file as its package names it (transformers/cache_utils.py), not by this machine's folders."""
+    roots = [os.path.abspath(p) + os.sep for p in sys.path if p and filename.startswith(os.path.abspath(p) + os.sep)]
+    return filename[len(max(roots, key=len)):] if roots else filename
 
 
 def _locals(frames) -> list[tuple[str, object]]:

@@ -204,41 +204,45 @@ def mode_lines(ax, df: pd.DataFrame, x: str, y: str, modes=None):
 
 
 def waste_figure(table: pd.DataFrame, title: str = ""):
-    """The peak above the weights of each point of a `kvlab.waste` table, one stacked bar each: the final cache
-    and one step's activations (grey), then every term above them (colours; a negative term, a cache not yet
-    grown, is drawn left of the bar's end), and each fix's peak as a tick. MiB from zero."""
+    """What is alive at the peak of each point of a `kvlab.waste` table, above the weights, in units of the point's
+    final cache (so that points of different sizes compare): the cache's tensors, the storage they do not show,
+    the cache update's op output, one step's activations and the activations above them; a tick at each fix's
+    peak. Ratios from zero; the dashed line is 1 x final cache."""
     points = list(dict.fromkeys(table["point"]))
-    terms = [t for t in dict.fromkeys(table.loc[table["kind"] == "term", "term"])
-             if table.loc[table["term"] == t, "bytes"].abs().max() > 0]
-    colours = dict(zip(terms, sns.color_palette("tab10", len(terms))))
+    parts = [("cache tensors", "0.55"), ("storage the cache's tensors do not show", "tab:orange"),
+             ("the cache update's op output", "tab:blue"), ("one step's activations", "0.8"),
+             ("activations above one step's", "tab:green")]
     fixes = list(dict.fromkeys(table.loc[table["kind"] == "fix", "term"]))
-    fix_colours = dict(zip(fixes, ["black", "tab:red", "tab:purple", "tab:brown"]))
+    fix_colours = dict(zip(fixes, ["black", "tab:purple", "tab:brown", "tab:pink"]))
     fig, ax = plt.subplots(figsize=(9.5, 1.0 + 0.9 * len(points)))
     for y, name in enumerate(points):
-        rows = table[table["point"] == name].set_index("term")
-        weights = rows.loc["weights", "bytes"]
+        rows = table[table["point"] == name].set_index("term")["bytes"]
+        final = rows["final cache"]
+        sizes = {"cache tensors": final + rows.get("cache tensors beyond the final cache", 0),
+                 "storage the cache's tensors do not show": rows.get("storage the cache's tensors do not show", 0),
+                 "the cache update's op output": sum(v for k, v in rows.items() if k.startswith("the cache update's")),
+                 "one step's activations": rows["one step's activations"],
+                 "activations above one step's": rows.get("activations above one step's", 0)}
         left = 0.0
-        for term, colour in (("final cache", "0.55"), ("one step's activations", "0.8")):
-            width = rows.loc[term, "bytes"] / MIB
-            ax.barh(y, width, left=left, color=colour, label=term if y == 0 else None)
-            left += width
-        for term in terms:
-            width = rows.loc[term, "bytes"] / MIB if term in rows.index else 0
-            if width:
-                ax.barh(y, width, left=left if width > 0 else left + width, color=colours[term],
-                        label=term if term not in ax.get_legend_handles_labels()[1] else None)
+        for part, colour in parts:
+            width = sizes[part] / final
+            if width > 0:
+                ax.barh(y, width, left=left, color=colour,
+                        label=None if part in ax.get_legend_handles_labels()[1] else part)
                 left += width
-        for _, row in rows[rows["kind"] == "fix"].iterrows():
-            label = f"peak with the fix: {row['term']}"
-            ax.plot([(row["bytes"] - weights) / MIB] * 2, [y - 0.45, y + 0.45], linewidth=2.5,
-                    color=fix_colours[row["term"]], label=None if label in ax.get_legend_handles_labels()[1] else label)
-        ax.text(left, y, f"  {(left * MIB) / rows.loc['final cache', 'bytes']:.3f} x final cache", va="center",
-                fontsize=9)
+        weights = rows["weights"]
+        for fix, nbytes in table[(table["point"] == name) & (table["kind"] == "fix")].set_index("term")["bytes"].items():
+            label = f"peak with the fix: {fix}"
+            ax.plot([(nbytes - weights) / final] * 2, [y - 0.45, y + 0.45], linewidth=2.5, color=fix_colours[fix],
+                    label=None if label in ax.get_legend_handles_labels()[1] else label)
+        ax.text(left, y, f"  {left:.3f}", va="center", fontsize=9)
+    ax.axvline(1, color="black", linestyle="--", linewidth=0.8)
     ax.set_yticks(range(len(points)), [_point_label(table[table["point"] == p].iloc[0]) for p in points], fontsize=9)
     ax.invert_yaxis()
-    ax.set_xlim(0, ax.get_xlim()[1] * 1.15)
-    ax.set_xlabel("peak memory above the weights (MiB)")
-    ax.set_title(title or "Where the peak of transformers' own generate() goes (5.24, bf16, CPU, batch 1)", fontsize=10)
+    ax.set_xlim(0, ax.get_xlim()[1] * 1.08)
+    ax.set_xlabel("alive at the peak, above the weights (x the point's final cache)")
+    ax.set_title(title or "What fills the peak of transformers' own generate() (5.24): twins, bf16, CPU, batch 1",
+                 fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     return fig
