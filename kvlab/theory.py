@@ -112,13 +112,9 @@ class Buffers:
         return transient
 
 
-def _held(s: Shape, cache: str, length: int, capacity_of, max_len: int) -> int:
-    """Bytes the cache design holds for `length` tokens."""
-    if cache == "static":
-        return s.kv(max_len)
-    if cache == "prealloc":
-        return s.kv(capacity_of(length))
-    return s.kv(length)
+def _held(s: Shape, cache: str, length: int, max_len: int) -> int:
+    """Bytes the cache design holds for `length` tokens (prealloc's buffers: `Buffers`)."""
+    return s.kv(max_len if cache == "static" else length)
 
 
 def _steps(prompt, new, restart_new):
@@ -150,7 +146,6 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
     tuple_cache, keeps_outputs = cache == "tuple", release.keeps_previous_outputs
     max_len = prompt + new + restart_new
     static_len = max_len - 1  # as generate() sizes it: the last new token never enters the cache
-    capacity_of = lambda n: math.ceil(n / block_tokens) * block_tokens  # noqa: E731
     groups = s.heads // s.kv_heads
     # 5.x's dynamic cache on a sliding or hybrid config: each layer's storage walked step by step.
     sliding = windows(config) if cache == "dynamic" and release.major == 5 else [None] * s.layers
@@ -189,7 +184,7 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
         if tuple_cache and keeps_outputs and strategy == "beam" and before > 0:
             persistent["un-reordered tuple held by outputs (beam, v4.40)"] = s.kv(before)
         old_tuple = s.kv(before) if tuple_cache or runtime == "convert" else 0
-        held_after = _held(s, cache, after, capacity_of, static_len)
+        held_after = _held(s, cache, after, static_len)
         if cache == "static" and static_windows:  # 5.x's StaticCache gives a sliding layer min(W, length) slots
             held_after = 2 * s.t * sum(static_windows)
         old_last, seen = before, after  # tokens of the last layer's values storage before its cat; keys attended
@@ -262,8 +257,9 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
             if tuple_cache and keeps_outputs:
                 reorder = {"un-reordered tuple (held by outputs)": s.kv(after), "reordered tuple": s.kv(after)}
             else:  # one tensor at a time, the old one freed before the next is copied
-                largest = {"prealloc": max(buffers.storage) if buffers else 0, "static": max(static_windows or [static_len]),
+                largest = {"static": max(static_windows or [static_len]),
                            "list": after - (chunks - 1)}.get(cache, after)  # list: its largest chunk
+                largest = max(buffers.storage) if buffers else largest  # prealloc: its largest buffer
                 reorder = {"cache": held_after, "one reordered tensor": s.t * largest}
                 if layers is not None:
                     peak = layers.reorder(s.t)
