@@ -1,5 +1,5 @@
 """The figures: the PR's benchmark plots redrawn from a results table (`kvlab.lab.store.load_results`), the main
-job's bars, and notebook 07's stream modes. Measured: solid lines; kvlab.theory: thin black dashes over them."""
+job's bars, and notebook 06's stream modes. Measured: solid lines; kvlab.theory: thin black dashes over them."""
 
 from __future__ import annotations
 
@@ -183,7 +183,7 @@ def compare_figure(df: pd.DataFrame):
     return fig
 
 
-# Notebook 07's stream modes (kvlab.encdec.stream.MODES): one colour, marker and dash each, in every figure.
+# Notebook 06's stream modes (kvlab.encdec.stream.MODES): one colour, marker and dash each, in every figure.
 MODE_STYLES = {"hf-static": ("tab:red", "o", None), "reused": ("tab:blue", "s", (5, 3)),
                "reused-max": ("tab:purple", "^", (1, 2)), "dynamic": ("tab:green", "D", (3, 1, 1, 1))}
 
