@@ -3,8 +3,8 @@
     python benchmarks/speed.py [--preset llama2-7b-twin] [--new 500,2000,8000] [--repeats 3] [--out data/speed]
 
 Machines are noisy: every length runs each contender in turn, `--repeats` times (`kvlab.lab.timing.speed_runs`,
-so a slow moment hits all alike), and the table prints medians, the slowest and fastest run, and the median's
-ratio to `dynamic`. `--out DIR` keeps every run in DIR/results.csv and the machine in DIR/provenance.json
+so a slow moment hits all alike), and the table prints medians, the slowest and fastest run, and the median of the
+ratios to `dynamic` run by run. `--out DIR` keeps every run in DIR/results.csv and the machine in DIR/provenance.json
 (appendix A2 draws them). No meter runs here: the live-storage counter adds Python work to every operator,
 more for some designs.
 
@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 
 from kvlab.lab.store import append_run
-from kvlab.lab.timing import CONTENDERS, speed_runs
+from kvlab.lab.timing import CONTENDERS, speed_runs, spread
 from kvlab.models import build_model, resolve_device
 
 
@@ -53,10 +53,9 @@ def main():
     for new in [int(n) for n in args.new.split(",")]:
         runs = pd.DataFrame(speed_runs(model, prompt, [new], contenders, args.repeats))
         rows.append(runs)
-        speed = runs.groupby("contender", sort=False)["tokens_per_s"].agg(["median", "min", "max"])
-        print(f"{new:6d} new: " + "; ".join(f"{c} {s['median']:.1f} [{s['min']:.1f}, {s['max']:.1f}]"
-                                            f" = {s['median'] / speed.loc['dynamic', 'median']:.2f}x dynamic"
-                                            for c, s in speed.iterrows()), flush=True)
+        print(f"{new:6d} new: " + "; ".join(f"{c} {s['median']:.1f} [{s['slowest']:.1f}, {s['fastest']:.1f}]"
+                                            f" = {s['ratio_median']:.2f}x dynamic"
+                                            for (_, c), s in spread(runs).iterrows()), flush=True)
     if args.out:
         table = pd.concat(rows).assign(preset=args.preset, dtype=args.dtype, device=device, batch=args.batch,
                                        prompt=args.prompt, threads=threads)

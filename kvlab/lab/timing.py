@@ -59,3 +59,16 @@ def speed_runs(model, prompt: torch.Tensor, lengths, contenders=CONTENDERS, repe
         rows += [dict(new=new, contender=c, repeat=i + 1, seconds=s, tokens_per_s=batch * new / s)
                  for c, runs in seconds.items() for i, s in enumerate(runs)]
     return rows
+
+
+def spread(runs, baseline: str = "dynamic"):
+    """Per length and contender (`runs`: speed_runs' rows as a DataFrame): the median, slowest and fastest
+    tokens/s, the spread (fastest - slowest) / median, and the ratio to `baseline` run by run within each round
+    (its median, smallest and largest), so a lead is read against the noise of the same machine."""
+    base = runs[runs["contender"] == baseline].set_index(["new", "repeat"])["tokens_per_s"]
+    runs = runs.assign(ratio=runs["tokens_per_s"].to_numpy() / base.loc[list(zip(runs["new"], runs["repeat"]))].to_numpy())
+    table = runs.groupby(["new", "contender"], sort=False).agg(
+        median=("tokens_per_s", "median"), slowest=("tokens_per_s", "min"), fastest=("tokens_per_s", "max"),
+        ratio_median=("ratio", "median"), ratio_min=("ratio", "min"), ratio_max=("ratio", "max"))
+    table.insert(3, "spread_pct", 100 * (table["fastest"] - table["slowest"]) / table["median"])
+    return table

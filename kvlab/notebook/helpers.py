@@ -68,3 +68,36 @@ def device_label(device: str) -> str:
     from ..lab.point import device_name
 
     return f"{device_name(device)} ({device})"
+
+
+def kvlab_refusal(call) -> str:
+    """Run `call`, which kvlab must refuse: the ValueError it raised and the kvlab module that raised it. A
+    ValueError raised elsewhere (by transformers: not kvlab's refusal) is raised again; no error is an error."""
+    try:
+        call()
+    except ValueError as error:
+        frame = error.__traceback__
+        while frame.tb_next:  # the innermost frame: where the error was raised
+            frame = frame.tb_next
+        raised_in = frame.tb_frame.f_globals["__name__"]
+        if not raised_in.startswith("kvlab."):
+            raise
+        return f"ValueError from {raised_in}: {error}"
+    raise AssertionError("kvlab accepted what it should refuse")
+
+
+def two_fixes_terms(config, cache: str, loop: str, batch: int, prompt: int, dtype: str) -> dict:
+    """The big terms of the first two steps (bytes) at a logits point, from the loop's description alone: step 0
+    (the prompt's forward) holds the prompt's KV and, before v5, every prompt position's logits (twice in bf16:
+    the model's dtype and the fp32 upcast); step 1 holds the cache (twice for the tuple round trip) and, under
+    v4.40, the prompt's fp32 logits kept from step 0. Notebook 02 sets them beside the measured peaks."""
+    from ..loops import LOOPS
+    from ..models import element_size, kv_bytes_per_token
+
+    release = LOOPS[loop]
+    fp32_logits = batch * prompt * config.vocab_size * 4
+    logits = batch * prompt * config.vocab_size * element_size(dtype) + (fp32_logits if element_size(dtype) != 4 else 0)
+    per_token = kv_bytes_per_token(config, batch, dtype)
+    return {"step 0: KV + prompt logits": per_token * prompt + (0 if release.major == 5 else logits),
+            "step 1: KV (x2 for tuple) + kept logits": (2 if cache == "tuple" else 1) * per_token * (prompt + 1)
+            + (fp32_logits if release.keeps_previous_outputs else 0)}

@@ -279,3 +279,35 @@ def mode_lines(ax, df: pd.DataFrame, x: str, y: str, modes=None):
     ax.set_xlabel(x)
     ax.legend(title="mode", loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
     return ax
+
+
+def speed_figure(runs: pd.DataFrame, title: str = ""):
+    """Appendix A2: every timed run of one length (`runs`: kvlab.lab.timing.speed_runs' rows), tokens/s on the
+    left (from zero), the ratio to dynamic's run of the same round on the right (around 1); a dot per run, a red
+    tick at the median, so the spread of the repeats is seen next to the differences between contenders."""
+    from ..lab.timing import spread
+
+    table = spread(runs).reset_index().set_index("contender")
+    base = runs[runs["contender"] == "dynamic"].set_index("repeat")["tokens_per_s"]
+    runs = runs.assign(ratio=runs["tokens_per_s"].to_numpy() / base.loc[runs["repeat"]].to_numpy())
+    order = list(dict.fromkeys(runs["contender"]))
+    fig, (speed, ratio) = plt.subplots(1, 2, figsize=(WIDTH, 0.55 * len(order) + 1.9), sharey=True)
+    for ax, column, median in ((speed, "tokens_per_s", "median"), (ratio, "ratio", "ratio_median")):
+        sns.stripplot(runs, y="contender", x=column, order=order, color="black", size=6, jitter=0.12, ax=ax,
+                      legend=False)
+        ax.scatter(table.loc[order, median], range(len(order)), marker="|", s=900, linewidths=2.5, color="tab:red",
+                   zorder=4)
+        ax.set(ylabel="")
+    ratio.axvline(1, color="black", linewidth=1, zorder=1)
+    low, high = runs["ratio"].min(), runs["ratio"].max()
+    ratio.set_xlim(min(0.9, low - 0.05), max(1.1, high + 0.05))
+    speed.set_xlim(0, runs["tokens_per_s"].max() * 1.1)
+    speed.set_xlabel("generated tokens per second (every run)")
+    ratio.set_xlabel("÷ dynamic's run of the same round (x)")
+    speed.legend([plt.Line2D([], [], marker="o", color="black", linestyle=""),
+                  plt.Line2D([], [], marker="|", color="tab:red", linestyle="", markersize=14, markeredgewidth=2.5)],
+                 ["one run", "median"], fontsize=9, loc="lower left")
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout()
+    return fig
