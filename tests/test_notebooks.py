@@ -160,3 +160,16 @@ def test_an_empty_notebook_or_an_empty_error_costs_one_line(tmp_path, capsys, mo
     monkeypatch.setattr(kvlab.notebook.tools, "execute", fail)
     assert main(["run", str(path)]) == 1
     assert capsys.readouterr().err.strip() == f"{path}: RuntimeError: (no message)"
+
+
+
+def test_kvlab_refusal_shows_only_kvlab_own_refusals():
+    from kvlab.loops import check_choice
+    from kvlab.notebook.helpers import kvlab_refusal
+
+    found = kvlab_refusal(lambda: check_choice("cache", "nope", ("dynamic",)))
+    assert found.startswith("ValueError from kvlab.loops: ") and "nope" in found
+    with pytest.raises(ValueError, match="raised here"):  # a ValueError from outside kvlab is not a refusal
+        kvlab_refusal(lambda: int("raised here"))
+    with pytest.raises(AssertionError, match="accepted"):
+        kvlab_refusal(lambda: None)

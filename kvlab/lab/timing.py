@@ -61,13 +61,19 @@ def speed_runs(model, prompt: torch.Tensor, lengths, contenders=CONTENDERS, repe
     return rows
 
 
+def with_ratios(runs, baseline: str = "dynamic"):
+    """`runs` (speed_runs' rows as a DataFrame) with `ratio`: each run's tokens/s ÷ the baseline's run of the same
+    length and round, so that a slow moment of the machine, which hits both, cancels."""
+    base = runs[runs["contender"] == baseline].set_index(["new", "repeat"])["tokens_per_s"]
+    same_round = base.loc[list(zip(runs["new"], runs["repeat"]))].to_numpy()
+    return runs.assign(ratio=runs["tokens_per_s"].to_numpy() / same_round)
+
+
 def spread(runs, baseline: str = "dynamic"):
     """Per length and contender (`runs`: speed_runs' rows as a DataFrame): the median, slowest and fastest
-    tokens/s, the spread (fastest - slowest) / median, and the ratio to `baseline` run by run within each round
-    (its median, smallest and largest), so a lead is read against the noise of the same machine."""
-    base = runs[runs["contender"] == baseline].set_index(["new", "repeat"])["tokens_per_s"]
-    runs = runs.assign(ratio=runs["tokens_per_s"].to_numpy() / base.loc[list(zip(runs["new"], runs["repeat"]))].to_numpy())
-    table = runs.groupby(["new", "contender"], sort=False).agg(
+    tokens/s, the spread (fastest - slowest) / median, and the ratio to `baseline` round by round (its median,
+    smallest and largest), so a lead is read against the noise of the same machine."""
+    table = with_ratios(runs, baseline).groupby(["new", "contender"], sort=False).agg(
         median=("tokens_per_s", "median"), slowest=("tokens_per_s", "min"), fastest=("tokens_per_s", "max"),
         ratio_median=("ratio", "median"), ratio_min=("ratio", "min"), ratio_max=("ratio", "max"))
     table.insert(3, "spread_pct", 100 * (table["fastest"] - table["slowest"]) / table["median"])

@@ -285,11 +285,10 @@ def speed_figure(runs: pd.DataFrame, title: str = ""):
     """Appendix A2: every timed run of one length (`runs`: kvlab.lab.timing.speed_runs' rows), tokens/s on the
     left (from zero), the ratio to dynamic's run of the same round on the right (around 1); a dot per run, a red
     tick at the median, so the spread of the repeats is seen next to the differences between contenders."""
-    from ..lab.timing import spread
+    from ..lab.timing import spread, with_ratios
 
     table = spread(runs).reset_index().set_index("contender")
-    base = runs[runs["contender"] == "dynamic"].set_index("repeat")["tokens_per_s"]
-    runs = runs.assign(ratio=runs["tokens_per_s"].to_numpy() / base.loc[runs["repeat"]].to_numpy())
+    runs = with_ratios(runs)
     order = list(dict.fromkeys(runs["contender"]))
     fig, (speed, ratio) = plt.subplots(1, 2, figsize=(WIDTH, 0.55 * len(order) + 1.9), sharey=True)
     for ax, column, median in ((speed, "tokens_per_s", "median"), (ratio, "ratio", "ratio_median")):
