@@ -40,18 +40,22 @@ $(OLDEST): $(READY) scripts/oldest-transformers.sh
 
 # The token, memory and compat tests again, with 5.17 shadowing the pinned transformers.
 test-oldest: $(OLDEST)
-	PYTHON=$(BIN)/python scripts/oldest-transformers.sh test -q
+	PYTHON=$(BIN)/python scripts/oldest-transformers.sh test -q -n $(WORKERS) --dist loadgroup
 
 compare: $(READY)
 	$(BIN)/python -m kvlab compare
 
-# One OpenMP thread: memory does not depend on it, and on a busy 2-core runner two threads spin for nothing.
+# One OpenMP thread per process (memory does not depend on it) and WORKERS pytest-xdist processes side by side:
+# two for a 2-core machine; more cores, more workers (make test WORKERS=8).
+WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup
+
 test: $(READY) $(LEGACY)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -m "not slow" --ignore=tests/infra tests
+	$(PYTEST) -m "not slow" --ignore=tests/infra tests
 
 test-all: $(READY) $(LEGACY) $(OLDEST)
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
-	PYTHON=$(BIN)/python scripts/oldest-transformers.sh test -q
+	$(PYTEST) tests
+	PYTHON=$(BIN)/python scripts/oldest-transformers.sh test -q -n $(WORKERS) --dist loadgroup
 
 # JupyterLab on the notebooks, which name the kvlab kernel registered above.
 lab: $(READY)

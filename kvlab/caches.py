@@ -12,6 +12,10 @@
 - static:   transformers' own `StaticCache`, preallocated to `max_cache_len`.
 - prealloc: ours: a buffer per layer that grows in blocks of `block_tokens`; each step writes in
             place and attention gets a view. No full-layer copy per step, no maximum length up front.
+            On a sliding-window layer, a window buffer of W - 1 + `block_tokens` slots (`WindowLayer`).
+
+On a model with sliding-window layers (`sliding_window`, or `layer_types` naming "sliding_attention"),
+`dynamic` and `prealloc` give those layers their sliding form, as `generate()`'s default cache does.
 
 Our layers subclass transformers' `CacheLayerMixin` (as `StaticLayer` does) and keep its whole contract:
 `keys` and `values` are the layer's tensors, `crop` removes tokens as 5.x's `DynamicLayer.crop` does, and
@@ -23,7 +27,7 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, StaticCache
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer, StaticCache
 
 from .compat import cache_argument
 
@@ -33,6 +37,15 @@ CACHES = ("tuple", "dynamic", "list", "static", "prealloc")
 class CatLayer(DynamicLayer):
     """`dynamic` (and each layer of `tuple`): transformers' own `DynamicLayer` (cat and replace), kept as a
     named class so the meter and the notebooks can point at it; everything else is DynamicLayer's."""
+
+    def tensors(self):
+        return [self.keys, self.values] if self.is_initialized else []
+
+
+class SlidingCatLayer(DynamicSlidingWindowLayer):
+    """`dynamic` on a sliding layer: transformers' own `DynamicSlidingWindowLayer`, named as `CatLayer` is. Each
+    step cats the window and the new token into a new tensor and keeps a view of its last W - 1 tokens; after a
+    prompt longer than the window, that view keeps the whole prompt's tensor alive until the first decode step."""
 
     def tensors(self):
         return [self.keys, self.values] if self.is_initialized else []
@@ -185,6 +198,98 @@ class PreallocLayer(_OwnLayer):
         return [t for t in (self.key_buffer, self.value_buffer) if t is not None]
 
 
+class WindowLayer(_OwnLayer):
+    """`prealloc` on a sliding layer of window W: the last W - 1 tokens (all that a later query sees, what
+    transformers' `DynamicSlidingWindowLayer` keeps), in order, in a buffer of W - 1 + `block_tokens` slots.
+    Each step writes in place and attention gets a view; when the buffer is full, the window moves to its
+    front: one copy of the window every `block_tokens` steps, where transformers' layer cats it every step.
+    A prompt longer than the buffer is handed to attention as it came and only its last W - 1 tokens are
+    copied in: nothing of prompt length is kept.
+
+    Why not a ring of W slots (ours): attention would get the window rotated. 5.24's masks index the padding
+    mask by `kv_offset` + position in the keys (`masking_utils.padding_mask_function`), so a left-padded batch
+    with padding still in the window would mask the wrong keys (a left-padded test in test_cache_contract.py
+    pins the order: rotating what attention reads fails it, ours passes)."""
+
+    is_sliding = True
+
+    def __init__(self, sliding_window: int, block_tokens: int = 32):
+        super().__init__()
+        self.sliding_window, self.block_tokens = sliding_window, block_tokens
+        self.key_buffer = self.value_buffer = None
+        self.start = self.end = 0  # buffer[start:end]: the kept tokens, oldest first
+        self.cumulative_length = 0  # tokens seen, as transformers' layer counts them
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        new, capacity = key_states.shape[-2], self.sliding_window - 1 + self.block_tokens
+        self.cumulative_length += new
+        if self.key_buffer is None:
+            self.key_buffer = key_states.new_empty((*key_states.shape[:-2], capacity, key_states.shape[-1]))
+            self.value_buffer = value_states.new_empty((*value_states.shape[:-2], capacity, value_states.shape[-1]))
+        if self.end + new > capacity and self.start > 0:  # move the window to the front, to make room
+            kept = self.end - self.start
+            for buffer in (self.key_buffer, self.value_buffer):  # clone: source and target may overlap
+                buffer[:, :, :kept].copy_(buffer[:, :, self.start:self.end].clone())
+            self.start, self.end = 0, kept
+        if self.end + new <= capacity:
+            self.key_buffer[:, :, self.end:self.end + new].copy_(key_states)
+            self.value_buffer[:, :, self.end:self.end + new].copy_(value_states)
+            self.end += new
+            keys, values = self.key_buffer[:, :, self.start:self.end], self.value_buffer[:, :, self.start:self.end]
+        else:  # more tokens than the buffer holds: attention reads them joined, as transformers' layer does
+            keys, values = key_states, value_states
+            if self.end > self.start:
+                keys = torch.cat([self.key_buffer[:, :, self.start:self.end], key_states], dim=-2)
+                values = torch.cat([self.value_buffer[:, :, self.start:self.end], value_states], dim=-2)
+            tail = min(self.sliding_window - 1, keys.shape[-2])
+            self.key_buffer[:, :, :tail].copy_(keys[:, :, keys.shape[-2] - tail:])
+            self.value_buffer[:, :, :tail].copy_(values[:, :, values.shape[-2] - tail:])
+            self.start, self.end = 0, tail
+        self.start = max(self.start, self.end - (self.sliding_window - 1))  # what no later query can see
+        self._views()
+        return keys, values
+
+    def _views(self) -> None:
+        if self.key_buffer is not None:
+            self.keys = self.key_buffer[:, :, self.start:self.end]
+            self.values = self.value_buffer[:, :, self.start:self.end]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return DynamicSlidingWindowLayer.get_mask_sizes(self, query_length)  # the same counts, the same formula
+
+    def get_seq_length(self) -> int:
+        return self.cumulative_length
+
+    def get_max_length(self) -> int:
+        return self.sliding_window
+
+    def crop(self, tokens_to_remove: int) -> None:
+        # As transformers' layer without past recording: tokens that left the window cannot come back.
+        if tokens_to_remove < 0 and self.cumulative_length >= self.sliding_window:
+            raise RuntimeError("crop past the sliding window: the tokens before it are no longer kept")
+        super().crop(tokens_to_remove)
+
+    def reset(self) -> None:
+        self._keep(0)  # the buffers stay, to be written again
+
+    def _keep(self, length: int) -> None:  # only below the window (crop), where start is 0
+        self.start, self.end = 0, length
+        self.cumulative_length = length
+        self._views()
+
+    def _each(self, fn) -> None:
+        if self.key_buffer is not None:
+            self.keys = self.values = None  # views of the old buffers would keep them alive
+            self.key_buffer = fn(self.key_buffer)
+            self.value_buffer = fn(self.value_buffer)
+            self._views()
+
+    def tensors(self):
+        return [t for t in (self.key_buffer, self.value_buffer) if t is not None]
+
+
 class KVCache(Cache):
     """A transformers `Cache` made of our layers, so the model's forward (and `generate()`) accept it."""
 
@@ -229,6 +334,15 @@ def num_layers(model) -> int:
     return model.config.get_text_config(decoder=True).num_hidden_layers
 
 
+def sliding_windows(model) -> list[int | None]:
+    """Each layer's window, None for a full-attention layer: from `layer_types` where the config has them, else
+    `sliding_window` for every layer (Mistral), as transformers' `DynamicCache(config=...)` reads them."""
+    config = model.config.get_text_config(decoder=True)
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * num_layers(model)
+    return [window if kind == "sliding_attention" else None for kind in types]
+
+
 def make_cache(name: str, model, *, max_cache_len: int | None = None, chunk_limit: int = 50, block_tokens: int = 32):
     """An empty cache of design `name` for `model`."""
     if name not in CACHES:
@@ -236,12 +350,13 @@ def make_cache(name: str, model, *, max_cache_len: int | None = None, chunk_limi
     layers = num_layers(model)
     if name == "tuple":
         return TupleCache.from_tuples((), layers)
+    windows = sliding_windows(model)
     if name == "dynamic":
-        return KVCache([CatLayer() for _ in range(layers)])
+        return KVCache([SlidingCatLayer(w) if w else CatLayer() for w in windows])
     if name == "list":
         return KVCache([ListLayer(chunk_limit) for _ in range(layers)])
     if name == "prealloc":
-        return KVCache([PreallocLayer(block_tokens) for _ in range(layers)])
+        return KVCache([WindowLayer(w, block_tokens) if w else PreallocLayer(block_tokens) for w in windows])
     if max_cache_len is None:
         raise ValueError("the static cache needs max_cache_len (prompt + new tokens)")
     return StaticCache(config=model.config, max_cache_len=max_cache_len)

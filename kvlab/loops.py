@@ -92,8 +92,9 @@ AttentionMaskInterface.register(REPEAT_KV_ATTENTION, sdpa_mask)
 
 
 @contextlib.contextmanager
-def _forward_of(model, release: Release):
-    """Make the model's forward behave as in `release`; yields the forward's extra keyword arguments."""
+def _forward_of(model, release: Release, meter=None):
+    """Make the model's forward behave as in `release`; yields the forward's extra keyword arguments. `meter`:
+    labels the 4.x forward's logits, so a peak inside the forward shows them."""
     if release.major == 5:
         yield {"logits_to_keep": 1}  # v5: the last position's logits only, not upcast
         return
@@ -102,7 +103,14 @@ def _forward_of(model, release: Release):
     config, before = model.config, model.config._attn_implementation
     if before == "sdpa":
         config._attn_implementation = REPEAT_KV_ATTENTION
-    hook = model.get_output_embeddings().register_forward_hook(lambda module, args, logits: logits.float())
+
+    def upcast(module, args, logits):
+        full = logits.float()
+        if meter is not None:
+            meter.label((logits, full), "logits")
+        return full
+
+    hook = model.get_output_embeddings().register_forward_hook(upcast)
     try:
         yield {}
     finally:
@@ -151,7 +159,7 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "d
 
     outputs = None
     start = time.perf_counter()
-    with torch.inference_mode(), _forward_of(model, release) as forward_options:
+    with torch.inference_mode(), _forward_of(model, release, meter) as forward_options:
         for _ in range(new_tokens):
             cached = cache_length(kv)
             # As generate() makes them: a mask of ones, and position ids per row from its cumsum, of which

@@ -64,6 +64,23 @@ def _twin(name: str) -> tuple[type, dict]:
 TWINS = {f"{name}-twin": name for name in ("llama2-7b", "mistral-7b", "llama3-8b")}
 DECODERS.update({twin: _twin(name) for twin, name in TWINS.items()})
 
+# Random weights at transformers' default std (initializer_range 0.02) decode one token over and over: in our
+# measurement every position's logits share one dominant direction (cosine 0.4-0.5 with their mean on `toy` and
+# the Llama-2 twin), so greedy and beam rows repeat 1-3 tokens and "same tokens" proves little. At 0.1 the
+# context moves the argmax and rows are varied. Weights' values change no byte count.
+RANDOM_INIT_STD = 0.1
+for _, values in DECODERS.values():
+    values["initializer_range"] = RANDOM_INIT_STD
+
+
+def assert_varied(new_tokens, least: float = 0.5) -> None:
+    """Fail unless every row of generated tokens (a tensor or lists, the prompt left out) has at least `least` of
+    its tokens distinct: a check that two decoders agree means little if both repeat one token."""
+    rows = new_tokens.tolist() if hasattr(new_tokens, "tolist") else [list(row) for row in new_tokens]
+    distinct = [len(set(row)) for row in rows]
+    assert rows and all(count >= max(2, least * len(row)) for count, row in zip(distinct, rows)), (
+        f"degenerate output: distinct tokens per row {distinct} of {[len(row) for row in rows]}; first row {rows[0]}")
+
 # T5Config() and WhisperConfig() default to google-t5/t5-small and openai/whisper-tiny; BartConfig() to
 # bart-large's widths. Their start and pad tokens are the checkpoints' own.
 ENCODER_DECODERS: dict[str, tuple[type, dict]] = {
@@ -79,7 +96,31 @@ ENCODER_DECODERS: dict[str, tuple[type, dict]] = {
         encoder_ffn_dim=3072, decoder_ffn_dim=3072, vocab_size=50265, max_position_embeddings=1024,
         decoder_start_token_id=2, pad_token_id=1)),
 }
+# Random weights at the default init decode one token over and over here too (T5 and BART: their LM head is the
+# input embedding, and the greedy argmax stays on the token fed in), and the output ignores the encoder. These init
+# values and the position scaling in vary_decoder() make each step's token differ, and differ with the encoder
+# input, in our measurement (tests/test_encdec.py); weights' values change no byte count.
+# BART keeps its default init_std 0.02 at its real width (a 64-wide BART needs 0.1: tests/test_encdec.py).
+RANDOM_INIT = {"t5-small": dict(initializer_factor=1.5), "whisper-tiny": dict(init_std=0.5)}
+for _name, _init in RANDOM_INIT.items():
+    ENCODER_DECODERS[_name][1].update(_init)
 PRESETS = {**DECODERS, **ENCODER_DECODERS}
+
+
+def vary_decoder(model) -> None:
+    """Post-init scaling for the encoder-decoder presets' random weights: a decoder step whose input is mostly
+    its token's embedding repeats that token (the tied head's argmax), so the position signal is made strong."""
+    with torch.no_grad():
+        if model.config.model_type == "t5":
+            # No absolute positions: both stacks' relative-position biases (std 1.5 / sqrt(d_model)) raised to
+            # std 5, and the shared embedding (std 1.5) cut 10-fold so that the residual stream is not the fed token.
+            for stack in (model.encoder, model.decoder):
+                bias = stack.block[0].layer[0].SelfAttention.relative_attention_bias.weight
+                bias.mul_(5.0 / (model.config.initializer_factor * model.config.d_model ** -0.5))
+            model.shared.weight.mul_(0.1)
+        elif model.config.model_type == "bart":
+            # The decoder's learned positions 30x its token embeddings (both std init_std) before its embedding norm.
+            model.model.decoder.embed_positions.weight.mul_(30.0)
 
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -340,6 +381,8 @@ def build_model(preset: str = "toy", overrides=None, device: str = "cpu", dtype:
         torch.manual_seed(seed)
         with torch.device(device):
             model = instantiate(config, torch_dtype)
+        if preset in ENCODER_DECODERS:
+            vary_decoder(model)
     g = model.generation_config
     g.eos_token_id = None
     if config.is_encoder_decoder:  # greedy argmax and nothing else: Whisper's suppresses tokens at the first step

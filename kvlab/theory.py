@@ -16,7 +16,7 @@ import math
 from .loops import LOOPS
 from .models import element_size, head_dim, kv_bytes_per_token
 
-POINT_KEYS = ("cache", "loop", "strategy", "batch", "prompt", "new", "restart_new", "num_beams", "dtype",
+POINT_KEYS = ("cache", "loop", "strategy", "batch", "prompt", "new", "restart_new", "restart_from", "num_beams", "dtype",
               "chunk_limit", "block_tokens", "runtime")
 INT64 = 8
 FP32 = 4
@@ -63,12 +63,15 @@ def _steps(prompt, new, restart_new):
 
 
 def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, prompt=64, new=512,
-                restart_new=0, num_beams=4, dtype="float32", chunk_limit=50, block_tokens=32, runtime="eager"):
+                restart_new=0, restart_from="cache", num_beams=4, dtype="float32", chunk_limit=50, block_tokens=32,
+                runtime="eager"):
     """Every phase's bytes above the weights; returns (peak, the phase that makes it, its terms, final KV).
 
     `runtime` (kvlab.graphs): jit-trace is the tuple design under v5's loop (the caller holds the old
     tuple while the graph builds the new one); convert is the dynamic design plus the old tuple the
     caller holds while the copied cache object grows; export has phases of its own (`_exported_peak`).
+    `restart_from="tuples"`: the second call's cache object starts from the first call's tensors, which the
+    caller's tuples keep alive for the whole call.
     """
     s = Shape(config, batch, dtype, strategy, num_beams)
     if runtime == "export":
@@ -101,7 +104,7 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
         if strategy == "beam" and release.major == 5:
             length, count = (prompt + new, new) if call == 0 else (prompt + new + restart_new, restart_new)
             persistent["5.x beam bookkeeping (sequences, beam indices)"] = 2 * s.rows * (length * INT64 + count * 4)
-        if tuple_cache and call == 1 and not first_of_call:
+        if call == 1 and (restart_from == "tuples" or (tuple_cache and not first_of_call)):
             persistent["tuple the caller still holds (restart)"] = s.kv(held_after_first)
         if tuple_cache and keeps_outputs and strategy == "beam" and before > 0:
             persistent["un-reordered tuple held by outputs (beam, v4.40)"] = s.kv(before)
@@ -118,8 +121,8 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
         base = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
                 "activations of one layer": layer_acts}
         update, attention = dict(base), dict(base)
-        if cache == "dynamic" and before > 0:
-            update["old values tensor during its cat"] = s.t * before
+        if cache == "dynamic" and before > 0 and not (call == 1 and first_of_call and restart_from == "tuples"):
+            update["old values tensor during its cat"] = s.t * before  # (else the caller's tuple holds it)
         if cache == "list":
             chunks = 1 if index == 0 else chunks + 1
             if chunks >= chunk_limit:

@@ -3,6 +3,17 @@ import torch
 
 from kvlab.models import build_model
 
+# `make test` runs two pytest-xdist workers (--dist loadgroup). A module fixture is built once per worker that runs
+# one of its tests: the tests of each costly one share a group, so it is built once (a Colab-like virtual
+# environment, a minute of decoding).
+COSTLY_FIXTURES = {"cache_dominated", "twin_records", "probed", "records", "t5", "colab"}
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:
+        for name in sorted(COSTLY_FIXTURES & set(item.fixturenames)):
+            item.add_marker(pytest.mark.xdist_group(f"{item.module.__name__}.{name}"))
+
 
 @pytest.fixture(scope="session")
 def toy():
@@ -22,3 +33,28 @@ def prompt():
 @pytest.fixture(scope="session")
 def toy_bf16():
     return build_model("toy", ["num_key_value_heads=2"], dtype="bfloat16")
+
+
+# A toy with a sliding window of 16 on every layer (Mistral's layout), from a config.json as a user would pass one:
+# prompts longer than the window and generations that slide it many times take seconds.
+SLIDING_TOY = dict(model_type="mistral", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=8192,
+                   sliding_window=16, initializer_range=0.1)  # 0.1: varied tokens, as kvlab's presets
+
+
+@pytest.fixture(scope="session")
+def sliding_config(tmp_path_factory):
+    import json
+    path = tmp_path_factory.mktemp("sliding") / "config.json"
+    path.write_text(json.dumps(SLIDING_TOY))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def sliding_toy(sliding_config):
+    return build_model(sliding_config)
+
+
+@pytest.fixture(scope="session")
+def sliding_toy_bf16(sliding_config):
+    return build_model(sliding_config, dtype="bfloat16")

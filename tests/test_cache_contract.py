@@ -14,9 +14,10 @@ import torch
 from transformers import DynamicCache, set_seed
 from transformers.cache_utils import Cache
 
-from kvlab.caches import CatLayer, KVCache, ListLayer, PreallocLayer, TupleCache
+from kvlab.caches import CatLayer, KVCache, ListLayer, PreallocLayer, TupleCache, WindowLayer, cache_bytes, make_cache
 from kvlab.compat import cache_argument, cache_from_outputs
-from kvlab.models import build_model
+from kvlab.meter import MemoryMeter
+from kvlab.models import assert_varied, build_model
 
 DESIGNS = ("dynamic", "list", "prealloc", "tuple")
 LAYER = {"dynamic": CatLayer, "list": lambda: ListLayer(chunk_limit=3), "prealloc": lambda: PreallocLayer(block_tokens=4)}
@@ -286,3 +287,98 @@ def test_prompt_lookup_decoding_matches_greedy_search(model, design):
     ids = torch.tensor([[5, 17, 3, 5, 17, 3, 5, 17, 3, 5]])  # repeated n-grams: candidates to look up
     greedy = hf_generate(model, None, ids)
     assert torch.equal(hf_generate(model, design, ids, prompt_lookup_num_tokens=2).sequences, greedy.sequences)
+
+
+# -- sliding-window layers: WindowLayer against transformers' DynamicSlidingWindowLayer ------------------------
+
+WINDOW = 6
+
+
+def slid(block_tokens: int, prefill: int, steps: int, num_layers: int = 2, batch: int = 4, seed: int = 0):
+    """A cache of WindowLayer and one of DynamicSlidingWindowLayer fed the same updates, each layer checked after
+    each (keys and values returned to attention, kept tensors, counts and mask sizes)."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+    generator = torch.Generator().manual_seed(seed)
+    ours = KVCache([WindowLayer(WINDOW, block_tokens) for _ in range(num_layers)])
+    theirs = KVCache([DynamicSlidingWindowLayer(WINDOW) for _ in range(num_layers)])
+    for step in range(steps + 1):
+        size = (batch, 2, prefill if step == 0 else 1, 8)
+        for layer_idx in range(num_layers):
+            key, value = torch.rand(size, generator=generator), torch.rand(size, generator=generator)
+            assert ours.get_mask_sizes(size[2], layer_idx) == theirs.get_mask_sizes(size[2], layer_idx)
+            for mine, reference in zip(ours.update(key, value, layer_idx), theirs.update(key, value, layer_idx)):
+                assert torch.equal(mine, reference)  # what attention reads, in the same order
+    assert_same(ours, theirs)
+    return ours, theirs
+
+
+@pytest.mark.parametrize("block_tokens", [1, 3, 32])
+@pytest.mark.parametrize("prefill", [2, 5, 6, 7, 20, 50])
+def test_window_layer_hands_attention_what_the_sliding_layer_does(block_tokens, prefill):
+    ours, _ = slid(block_tokens, prefill, steps=25)  # 25 steps: the window moves to the front again and again
+    layer = ours.layers[0]
+    assert layer.key_buffer.shape[-2] == WINDOW - 1 + block_tokens
+    assert layer.keys.shape[-2] == WINDOW - 1
+    assert layer.get_max_length() == WINDOW and layer.is_sliding and ours.is_sliding == [True, True]
+
+
+def test_window_layer_batch_methods_and_reset_act_as_the_sliding_layer():
+    ours, theirs = slid(3, prefill=9, steps=4)
+    for cache in (ours, theirs):
+        cache.batch_repeat_interleave(2)
+    assert_same(ours, theirs)
+    for cache in (ours, theirs):
+        cache.batch_select_indices(torch.tensor([7, 0, 3]))
+    assert_same(ours, theirs)
+    beam_idx = torch.tensor([2, 2, 0])
+    for cache in (ours, theirs):
+        cache.reorder_cache(beam_idx)
+    assert_same(ours, theirs)
+    key = torch.rand(3, 2, 1, 8)
+    assert all(torch.equal(a, b) for a, b in zip(ours.update(key, key, 0), theirs.update(key, key, 0)))
+    ours.reset()
+    assert ours.get_seq_length() == 0 and ours.layers[0].keys.shape[-2] == 0
+
+
+def test_window_layer_crops_inside_the_window_and_refuses_past_it():
+    ours, theirs = slid(3, prefill=3, steps=1)  # 4 tokens, inside the window of 6
+    for cache in (ours, theirs):
+        cache.crop(-2)
+    assert_same(ours, theirs)
+    ours, theirs = slid(3, prefill=9, steps=1)  # past the window: the tokens before it are gone
+    for cache in (ours, theirs):
+        with pytest.raises(RuntimeError, match="crop"):
+            cache.crop(-1)
+
+
+def test_sliding_caches_in_transformers_generate_with_left_padding_inside_the_window(sliding_toy):
+    # Rows of 30 and 9 tokens: the short row's 21 padding tokens stay inside the window of 16 for the first steps
+    # after the buffer fills and moves, where a rotated ring of slots would mask the wrong keys.
+    generator = torch.Generator().manual_seed(5)
+    rows = [torch.randint(1, 1000, (n,), generator=generator).tolist() for n in (30, 9)]
+    ids, mask = left_padded(rows)
+    expected = hf_generate(sliding_toy, None, ids, mask, max_new_tokens=30, min_new_tokens=30).sequences
+    assert_varied(expected[:, ids.shape[1]:])
+    for design in ("prealloc", "dynamic"):
+        cache = {cache_argument(sliding_toy): make_cache(design, sliding_toy, block_tokens=4)}
+        out = hf_generate(sliding_toy, None, ids, mask, max_new_tokens=30, min_new_tokens=30, **cache)
+        assert torch.equal(out.sequences, expected), design
+
+
+@pytest.mark.parametrize("design", ["prealloc", "dynamic"])
+def test_no_prompt_length_buffer_alive_after_the_prefill_but_dynamics_view(sliding_toy, design):
+    """After a prompt of 64 tokens (window 16), the live storages are the cache's own: prealloc's buffers of
+    W - 1 + block tokens; dynamic (transformers' layer) keeps a view of the prompt's whole concatenated keys
+    and values, 64 tokens per layer, until the first decode step (the meter sees it: the check can fail)."""
+    prompt, config = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(2)), sliding_toy.config
+    per_token = 2 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 4  # batch 2, fp32
+    cache = make_cache(design, sliding_toy)
+    with torch.inference_mode(), MemoryMeter("cpu", sliding_toy) as meter:
+        sliding_toy(prompt, use_cache=True, **{cache_argument(sliding_toy): cache})  # outputs dropped at once
+        live = sorted(meter.counter.bytes_by_serial().values())
+    layers = config.num_hidden_layers
+    if design == "prealloc":
+        assert live == [per_token * (16 - 1 + 32)] * (2 * layers)  # keys and values of every layer, nothing else
+    else:
+        assert live == [per_token * 64] * (2 * layers)
+    assert sum(live) == cache_bytes(cache)

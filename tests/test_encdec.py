@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvlab import encdec, models
+from kvlab.models import assert_varied
 from kvlab.encdec.reusable_cache import (ReusableStaticCache, longer_cross_attention_cache,
                                   static_cache_at_smaller_batch)
 
@@ -15,8 +16,9 @@ SMALL = {
     "t5-small": "num_layers=2,num_decoder_layers=2,d_model=64,d_ff=128,num_heads=4,d_kv=16,vocab_size=500",
     "whisper-tiny": ("d_model=64,encoder_layers=2,decoder_layers=2,encoder_attention_heads=4,decoder_attention_heads=4,"
                      "encoder_ffn_dim=128,decoder_ffn_dim=128,vocab_size=500,max_source_positions=48,num_mel_bins=16"),
+    # At width 64 BART's default init_std (0.02) decodes a varied row that ignores the encoder; 0.1 does not.
     "bart-base": ("d_model=64,encoder_layers=2,decoder_layers=2,encoder_attention_heads=4,decoder_attention_heads=4,"
-                  "encoder_ffn_dim=128,decoder_ffn_dim=128,vocab_size=500"),
+                  "encoder_ffn_dim=128,decoder_ffn_dim=128,vocab_size=500,init_std=0.1"),
 }
 NEW = 8
 # (batch, encoder length): 3 batch sizes and 3 encoder lengths under the maxima (4, 48), the maxima first.
@@ -42,9 +44,31 @@ def test_presets_have_the_public_sizes():
         models.build_config("t5-small", "hidden_size=8")
 
 
+def reference(model, request, **options):
+    """generate()'s tokens, checked first to vary along each row (equal tokens mean little if one repeats)."""
+    tokens = encdec.generate_reference(model, request, NEW, **options)
+    assert_varied(tokens)
+    return tokens
+
+
+def test_tokens_vary_and_depend_on_the_encoder_input(model):
+    """Different encoder inputs give different rows: the cross-attention cache decides the tokens."""
+    first, second = (reference(model, encdec.make_request(model, 3, 20, seed=seed)) for seed in (0, 1))
+    assert all(not torch.equal(a, b) for a, b in zip(first, second)), (first, second)
+    assert len({tuple(row) for row in first.tolist()}) == 3  # and the rows of one request differ
+
+
+def test_a_degenerate_model_fails_the_variety_check():
+    model = models.build_model("t5-small", SMALL["t5-small"])
+    with torch.no_grad():
+        model.shared.weight.mul_(1000)  # the residual stream is the fed token: the tied head repeats it
+    with pytest.raises(AssertionError, match="degenerate output"):
+        reference(model, encdec.make_request(model, 2, 12))
+
+
 def test_loop_equals_generate_with_a_dynamic_cache(model):
     request = encdec.make_request(model, 3, 20, ragged=True)
-    assert torch.equal(encdec.generate(model, request, NEW).tokens, encdec.generate_reference(model, request, NEW))
+    assert torch.equal(encdec.generate(model, request, NEW).tokens, reference(model, request))
 
 
 @pytest.mark.parametrize("shapes", ["exact", "max"])
@@ -57,7 +81,7 @@ def test_reused_cache_gives_the_tokens_of_a_freshly_sized_one(model, shapes):
     buffers = [t.data_ptr() for t in reused.buffers()]
     for index, (batch, length) in enumerate(REQUESTS):
         request = encdec.make_request(model, batch, length, seed=index, ragged=True)
-        fresh = encdec.generate_reference(model, request, NEW, cache_implementation="static")
+        fresh = reference(model, request, cache_implementation="static")
         assert torch.equal(encdec.generate(model, request, NEW, reused).tokens, fresh), (batch, length)
     assert [t.data_ptr() for t in reused.buffers()] == buffers  # the same memory served every request
 
@@ -83,7 +107,7 @@ def test_reused_cache_serves_transformers_generate(model, shapes):
         out = (GenerationMixin.generate if encdec.is_whisper(model) else type(model).generate)(
             model, encoder_outputs=BaseModelOutput(last_hidden_state=hidden), attention_mask=mask,
             decoder_input_ids=start, **options)
-        assert torch.equal(out[:batch, 1:], encdec.generate_reference(model, request, NEW)), (batch, length)
+        assert torch.equal(out[:batch, 1:], reference(model, request)), (batch, length)
 
 
 def test_masked_padding_is_equivalent_and_an_unmasked_longer_cache_is_not():
@@ -139,7 +163,7 @@ def test_compiled_decoder_step_compiles_once_with_max_shapes():
             request = encdec.make_request(model, batch, length, seed=index)
             before = counters["stats"]["unique_graphs"]
             tokens = encdec.generate(model, request, NEW, reused, step=step).tokens
-            assert torch.equal(tokens, encdec.generate_reference(model, request, NEW))
+            assert torch.equal(tokens, reference(model, request))
             per_request.append(counters["stats"]["unique_graphs"] - before)
         graphs[shapes] = per_request
     assert graphs["max"] == [1, 0, 0, 0, 0, 0]

@@ -13,6 +13,7 @@ from kvlab.lab.point import normalize, run_point
 from kvlab.graphs.meter import ProfilerMeter
 from kvlab.graphs import RUNTIMES, VARIANTS, build_graphs, check_runtime, decode_variant, generate_graph, time_variants
 from kvlab.meter import LiveStorageCounter, MemoryMeter
+from kvlab.models import assert_varied
 from kvlab.profiler import ProfiledAllocations
 
 GRAPHS = ("jit-trace", "convert", "export")
@@ -27,8 +28,10 @@ def one_thread():
 
 
 def reference(model, prompt, new):
-    return model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
-                          do_sample=False)
+    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False)
+    assert_varied(out[:, prompt.shape[1]:])  # equal tokens mean something only if they vary
+    return out
 
 
 @pytest.mark.parametrize("runtime", GRAPHS)

@@ -5,7 +5,7 @@ import torch
 from transformers import (BartForConditionalGeneration, LlamaForCausalLM, T5ForConditionalGeneration,
                           WhisperForConditionalGeneration)
 
-from kvlab.models import build_config, build_model, is_hub_id, load_config
+from kvlab.models import ENCODER_DECODERS, build_config, build_model, is_hub_id, load_config, vary_decoder
 
 SMALL = {
     "t5-small": ("num_layers=1,num_decoder_layers=1,d_model=32,d_ff=64,num_heads=2,d_kv=16,vocab_size=100",
@@ -28,6 +28,8 @@ def test_build_model_builds_each_preset_with_its_own_class(preset):
     config = build_config(preset, overrides)
     torch.manual_seed(0)
     direct = model_class(config)
+    if preset in ENCODER_DECODERS:
+        vary_decoder(direct)  # the presets' documented post-init scaling (kvlab.models)
     assert model.state_dict().keys() == direct.state_dict().keys()
     assert all(torch.equal(tensor, direct.state_dict()[name]) for name, tensor in model.state_dict().items())
     assert model.generation_config.eos_token_id is None  # decoding never stops early

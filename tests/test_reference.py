@@ -12,8 +12,9 @@ import transformers
 
 from kvlab.lab import reference
 from kvlab.loops import generate
-from kvlab.lab.point import run_point
-from kvlab.models import build_model
+from kvlab import theory
+from kvlab.lab.point import REFERENCES, normalize, run_point
+from kvlab.models import assert_varied, build_config, build_model
 from kvlab.lab.reference import INSTALLED, ReferenceInstallError, install_reference, measure_references, weights_digest
 
 # Small enough for a 2-core CPU (one subprocess per release runs all of its points), long enough that
@@ -153,4 +154,48 @@ def test_kvlab_loop_matches_the_release(pair, point):
                            generator=torch.Generator().manual_seed(0))
     out = generate(model, prompt, SIZE["new"], strategy=point["strategy"], num_beams=BEAMS, **design)
     rows = out.tokens[::BEAMS] if point["strategy"] == "beam" else out.tokens  # the best beam comes first
+    assert_varied(real["tokens"])
     assert rows[:, SIZE["prompt"]:].tolist() == real["tokens"]
+
+
+@functools.lru_cache(maxsize=None)
+def showcase(name: str, kind: str) -> dict:
+    """One point of SHOWCASE, run by kvlab's loop (kind kvlab) or by its release's own generate() (reference)."""
+    point = reference.SHOWCASE[name]
+    version, _ = REFERENCES[(point["cache"], point["loop"])]
+    if install_error(version):
+        pytest.skip(install_error(version))
+    return run_point(kind=kind, **reference.SHOWCASE_COMMON, **point)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(reference.SHOWCASE))
+def test_kvlab_matches_the_release_where_the_releases_differ_most(name):
+    ours, real = showcase(name, "kvlab"), showcase(name, "reference")
+    assert real["transformers_version"] == REFERENCES[(ours["cache"], ours["loop"])][0]
+    assert ours["overhead_bytes"] == pytest.approx(real["overhead_bytes"], rel=0.01)
+    if name == "logits":  # 4.42's forward upcasts every prompt position's logits to fp32: they set the peak
+        assert ours["logits_at_peak_bytes"] > 0.8 * ours["overhead_bytes"]
+    if name == "restart":  # the caller's tuples keep the first call's cache alive next to the growing one
+        assert 1.8 < real["overhead_over_kv"] < 2
+
+
+@pytest.mark.slow
+def test_mistral_minimal_improvement_measured_on_both_releases_beside_theory():
+    point = reference.SHOWCASE["minimal-after"]
+    expected = theory.improvement_factors(build_config(point["preset"]), batch=reference.SHOWCASE_COMMON["batch"],
+                                          prompt=point["prompt"], dtype=reference.SHOWCASE_COMMON["dtype"])[0]
+    for kind in ("kvlab", "reference"):
+        factor = showcase("minimal-before", kind)["overhead_bytes"] / showcase("minimal-after", kind)["overhead_bytes"]
+        assert factor == pytest.approx(expected, rel=0.01), kind
+
+
+def test_a_reference_restart_passes_back_what_the_release_returned():
+    for params, message in ((dict(cache="dynamic", loop="v4.42"), "restart_from=tuples"),
+                            (dict(cache="dynamic", loop="v5", restart_from="tuples"), "tuple/v4.40, or dynamic/v4.42"),
+                            (dict(cache="tuple", loop="v4.40", strategy="beam"), "greedy"),
+                            (dict(cache="tuple", loop="v4.40", restart_from="tuples", kind="kvlab"), "choose cache dynamic")):
+        with pytest.raises(ValueError, match=message):
+            normalize(**dict(dict(kind="reference", restart_new=4), **params))
+    with pytest.raises(ValueError, match="choose one of: 4.40.1, 4.42.4"):
+        measure_references(INSTALLED, [dict(restart_new=4)])

@@ -173,3 +173,23 @@ def test_each_twin_keeps_the_full_models_ratios(model):
         full = run_point(preset=model, device="meta", cache=cache, loop=loop, **point)
         twin = run_point(preset=f"{model}-twin", device="cpu", cache=cache, loop=loop, **point)
         assert twin["overhead_over_kv"] == pytest.approx(full["overhead_over_kv"], rel=0.02), (cache, loop)
+
+
+def test_restart_from_returned_tuples_holds_the_first_cache_beside_the_growing_one(toy):
+    # 4.42's default restart: the caller's tuples keep the first call's tensors (prompt + new - 1 tokens) alive
+    # while the second call's cache object grows from them.
+    point = dict(batch=2, prompt=16, new=32, restart_new=16, timing=False)
+    held_object = run_point(toy, cache="dynamic", loop="v4.42", **point)
+    held_tuples = run_point(toy, cache="dynamic", loop="v4.42", restart_from="tuples", **point)
+    assert abs(held_tuples["prediction_error"]) <= GREEDY_TOLERANCE
+    kv = held_tuples["kv_final_bytes"]
+    first_cache = kv * (16 + 32 - 1) // (16 + 32 + 16)
+    assert held_tuples["overhead_bytes"] - held_object["overhead_bytes"] == pytest.approx(first_cache, rel=0.01)
+
+
+def test_the_initialisation_changes_no_byte(toy):
+    # kvlab.models.RANDOM_INIT_STD makes tokens vary; transformers' default std must give the same peaks.
+    default_init = build_model("toy", "initializer_range=0.02")
+    for cache, loop, strategy in (("tuple", "v4.40", "greedy"), ("dynamic", "v4.42", "beam")):
+        point = dict(cache=cache, loop=loop, strategy=strategy, batch=2, prompt=16, new=16, timing=False)
+        assert run_point(toy, **point)["overhead_bytes"] == run_point(default_init, **point)["overhead_bytes"]

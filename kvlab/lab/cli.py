@@ -27,6 +27,7 @@ POINT_OPTIONS = {
     "strategy": f"one of {', '.join(STRATEGIES)}", "batch": "sequences decoded together",
     "prompt": "prompt length, tokens", "new": "tokens generated per sequence",
     "restart-new": "tokens a second generate() call adds, continuing from the first's cache; 0: no such call",
+    "restart-from": "what the restart passes back: the cache object, or its tensors as tuples (4.42's default)",
     "num-beams": "beams per sequence (strategy beam)", "chunk-limit": "cache list: chunks kept before they are joined into one",
     "block-tokens": "cache prealloc: tokens its buffers grow by", "seed": "weights, prompt and sampling",
     "device": "cpu, cuda, meta (counts without data) or auto (CUDA if present)", "dtype": "float32, bfloat16 or float16"}

@@ -23,7 +23,7 @@ from .shipped import read_yaml, shipped_or_path
 SWEEPS_DIR = Path(__file__).resolve().parent / "sweeps"
 # Parameters added after results were first stored: left out of a point's id at their defaults, so those
 # results keep their ids (a rerun still skips them, data/ stays joinable).
-LATER_PARAMETERS = ("kind", "runtime")
+LATER_PARAMETERS = ("kind", "runtime", "restart_from")
 
 
 def parse_grid_item(item: str) -> tuple[str, list]:

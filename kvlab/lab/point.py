@@ -17,7 +17,7 @@ import torch
 import transformers
 
 from .. import __version__, theory
-from ..caches import CACHES
+from ..caches import CACHES, KVCache, num_layers
 from ..loops import LOOPS, STRATEGIES, Sampling, check_choice, generate
 from ..meter import MemoryMeter
 from ..models import check_device, kv_bytes_per_token, load_config, parse_dtype, parse_overrides, resolve_device
@@ -32,13 +32,16 @@ DESIGNS = [("tuple", "v4.40"), ("tuple", "v4.42"), ("dynamic", "v4.40"), ("dynam
 REFERENCES = {("tuple", "v4.40"): ("4.40.1", None), ("dynamic", "v4.42"): ("4.42.4", None),
               ("dynamic", "v5"): ("installed", None), ("static", "v5"): ("installed", "static")}
 KINDS = ("kvlab", "reference")
+# What a restart passes back to the second call: the cache generate() returned, or (4.42's default, with
+# return_legacy_cache=True) that cache's tensors as tuples, which the second call wraps in a new object.
+RESTART_FROM = ("cache", "tuples")
 
 DEFAULTS = dict(kind="kvlab", runtime="eager", preset="toy", overrides="", cache="dynamic", loop="v5", strategy="greedy", batch=8,
-                prompt=64, new=512, restart_new=0, num_beams=4, device="auto", dtype="float32", seed=0,
+                prompt=64, new=512, restart_new=0, restart_from="cache", num_beams=4, device="auto", dtype="float32", seed=0,
                 chunk_limit=50, block_tokens=32, track_storages="auto", timing=True, force=False)
 # A record: the point's parameters (those below), then these fields, in results.csv's column order.
 RECORD_PARAMETERS = ("preset", "overrides", "cache", "loop", "kind", "runtime", "strategy", "batch", "prompt", "new",
-                     "restart_new", "num_beams", "device", "dtype")
+                     "restart_new", "restart_from", "num_beams", "device", "dtype")
 RECORD_FIELDS = ("meter", "baseline_bytes", "peak_bytes", "overhead_bytes", "reserved_peak_bytes",
                  "storages_peak_bytes", "kv_final_bytes", "overhead_over_kv", "predicted_overhead_bytes",
                  "prediction_error", "kv_at_peak_bytes", "logits_at_peak_bytes", "other_at_peak_bytes", "seconds",
@@ -86,15 +89,25 @@ def normalize(**params) -> dict:
     if unknown := set(params) - set(DEFAULTS):
         raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))}; valid: {', '.join(DEFAULTS)}")
     p = {**DEFAULTS, **{k: v for k, v in params.items() if v is not None}}
-    for key, choices in (("kind", KINDS), ("cache", CACHES), ("loop", LOOPS), ("strategy", STRATEGIES)):
+    for key, choices in (("kind", KINDS), ("cache", CACHES), ("loop", LOOPS), ("strategy", STRATEGIES),
+                         ("restart_from", RESTART_FROM)):
         check_choice(key, p[key], choices)
+    if p["restart_from"] == "tuples" and p["cache"] != "dynamic":
+        raise ValueError("restart_from=tuples passes back a dynamic cache's tensors as tuples (4.42's default); "
+                         "choose cache dynamic, or restart_from=cache")
     if p["kind"] == "reference":
         if (p["cache"], p["loop"]) not in REFERENCES:
             pairs = ", ".join(f"{cache}/{loop} ({version})" for (cache, loop), (version, _) in REFERENCES.items())
             raise ValueError(f"no transformers release runs {p['cache']}/{p['loop']} in its own generate(); a "
                              f"reference point is one of: {pairs}")
-        if p["strategy"] not in ("greedy", "beam") or int(p["restart_new"]):
-            raise ValueError("a reference point decodes greedy or beam, without a restart")
+        if p["strategy"] not in ("greedy", "beam"):
+            raise ValueError("a reference point decodes greedy or beam")
+        # A 4.x release's generate() returns tuples, which its caller passes back: the tuple design, or the
+        # dynamic one with restart_from=tuples.
+        if int(p["restart_new"]) and (p["strategy"] != "greedy" or p["loop"] == "v5"
+                                      or (p["cache"] == "dynamic") != (p["restart_from"] == "tuples")):
+            raise ValueError("a reference restart is greedy and passes back what 4.40.1 or 4.42.4 returned: "
+                             "tuple/v4.40, or dynamic/v4.42 with restart_from=tuples")
         if str(p["device"]).startswith("meta"):
             raise ValueError("a reference point runs a release's own generate(), which the meta device cannot; "
                              "choose one of: cpu, cuda, auto")
@@ -218,8 +231,12 @@ def _decode(model, prompt, p, options, meter, graphs=None) -> float:
     seconds = first.seconds
     if p["restart_new"]:
         # The caller still holds `first` (and so its cache) while the second call runs.
-        second = generate(model, first.tokens, p["restart_new"], past=first.cache, meter=meter, **options)
+        past = first.cache
+        if p["restart_from"] == "tuples":  # 4.42: to_legacy_cache, then from_legacy_cache (neither copies)
+            first.cache = past.to_tuples()
+            past = KVCache.from_tuples(first.cache, num_layers(model))
+        second = generate(model, first.tokens, p["restart_new"], past=past, meter=meter, **options)
         seconds += second.seconds
-        del second
+        del second, past
     del first
     return seconds

@@ -27,14 +27,43 @@ RELEASES = {
     "4.42.4": (ROOT / ".legacy-tf-4.42", ("transformers==4.42.4", "tokenizers==0.19.1", "huggingface-hub==0.23.4",
                                           "numpy==1.26.4", "safetensors==0.4.3")),
 }
-# The config values that shape the memory; plain values, so any release's config class accepts them.
+# The config values that shape the memory and the weights (initializer_range: kvlab.models.RANDOM_INIT_STD);
+# plain values, so any release's config class accepts them.
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "sliding_window",
-               "use_sliding_window")
+               "use_sliding_window", "initializer_range")
 STRATEGIES = ("greedy", "beam")
 # A reference point's parameters: these of kvlab.lab.point's, with its defaults, and the cache_implementation.
-REFERENCE_KEYS = ("preset", "overrides", "batch", "prompt", "new", "dtype", "strategy", "num_beams", "device", "seed")
+REFERENCE_KEYS = ("preset", "overrides", "batch", "prompt", "new", "restart_new", "dtype", "strategy", "num_beams",
+                  "device", "seed")
 
+# Where the releases differ most, each run by kvlab's loop and by the release's own generate() (kind reference):
+# the 4.x forward's fp32 logits of every prompt position at the peak (the Llama-3-8B twin's 4008-token vocabulary),
+# 4.42's default restart from the tuples it returned, and the Mistral twin at 2 new tokens, whose
+# tuple/v4.40 over dynamic/v4.42 is the PR's "minimal improvement". scripts/reference_points.py writes them to
+# data/reference/; tests/test_reference.py holds each within 1 %.
+SHOWCASE = {
+    "logits": dict(preset="llama3-8b-twin", cache="dynamic", loop="v4.42", prompt=300, new=8),
+    "restart": dict(preset="llama2-7b-twin", cache="dynamic", loop="v4.42", prompt=300, new=100, restart_new=50,
+                    restart_from="tuples"),
+    "minimal-before": dict(preset="mistral-7b-twin", cache="tuple", loop="v4.40", prompt=300, new=2),
+    "minimal-after": dict(preset="mistral-7b-twin", cache="dynamic", loop="v4.42", prompt=300, new=2),
+}
+SHOWCASE_COMMON = dict(dtype="bfloat16", batch=1, strategy="greedy", device="cpu", timing=False)
+
+
+
+
+def showcase_table(results):
+    """SHOWCASE's rows (data/reference/results.csv as a DataFrame) side by side: per point, overhead / final KV by
+    kvlab's loop and by the release's own generate(), their ratio, and the logits' share of kvlab's peak."""
+    import pandas as pd
+    ours = results[results["kind"] == "kvlab"].set_index("name")
+    real = results[results["kind"] == "reference"].set_index("name").loc[ours.index]
+    return pd.DataFrame({"design": ours["cache"] + "/" + ours["loop"], "release": real["transformers_version"],
+                         "kvlab overhead/KV": ours["overhead_over_kv"], "release overhead/KV": real["overhead_over_kv"],
+                         "kvlab / release": ours["overhead_bytes"] / real["overhead_bytes"],
+                         "logits share of the peak": ours["logits_at_peak_bytes"] / ours["overhead_bytes"]}).round(4)
 
 class ReferenceInstallError(RuntimeError):
     """pip could not install a release (no package index reachable, or no wheel for this Python)."""
@@ -84,6 +113,9 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
             raise ValueError(f"unknown strategy {p['strategy']!r}; choose one of: {', '.join(STRATEGIES)}")
         if p["cache_implementation"] is not None and version in RELEASES:
             raise ValueError(f"cache_implementation is for the installed 5.x; {version} only has its default cache")
+        if p["restart_new"] and (version not in RELEASES or p["strategy"] != "greedy"):
+            raise ValueError(f"a restart passes back the tuples a 4.x release returns, greedy; choose one of: "
+                             f"{', '.join(RELEASES)}")
         parse_dtype(p["dtype"])
         config = build_config(p["preset"], p["overrides"])  # raises on a bad preset or override, before any subprocess
         values = {key: getattr(config, key) for key in CONFIG_KEYS if hasattr(config, key)}
@@ -91,7 +123,7 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
         values["rope_theta"] = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         p["overrides"] = ",".join(f"{k}={v}" for k, v in parse_overrides(p["overrides"]).items())  # as kvlab's records
         p["num_beams"] = p["num_beams"] if p["strategy"] == "beam" else 1
-        p["kv_final_bytes"] = kv_bytes_per_token(config, p["batch"] * p["num_beams"], p["dtype"]) * (p["prompt"] + p["new"])
+        p["kv_final_bytes"] = kv_bytes_per_token(config, p["batch"] * p["num_beams"], p["dtype"]) * (p["prompt"] + p["new"] + p["restart_new"])
         specs.append(dict(p, model_type=config.model_type, config=values))
     target = install_reference(version)
     path = [str(ROOT)] if target is None else [str(target), str(ROOT)]
@@ -160,8 +192,17 @@ def _measure_point(spec: dict) -> dict:
         options["cache_implementation"] = spec["cache_implementation"]
     gc.collect()  # nothing of the previous point may die inside this one's meter
     with torch.inference_mode(), MemoryMeter(spec["device"], model) as meter:
-        out = model.generate(ids, attention_mask=mask, **options)
-    if out.shape != (spec["batch"], spec["prompt"] + spec["new"]):
+        if spec["restart_new"]:
+            # As the PR's restart example: the caller holds `first` and passes back its past_key_values, which
+            # 4.x's generate() returns as tuples (4.42: return_legacy_cache=True by default).
+            first = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **options)
+            ids, more = first.sequences, spec["restart_new"]
+            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=first.past_key_values,
+                                 **dict(options, max_new_tokens=more, min_new_tokens=more))
+            del first
+        else:
+            out = model.generate(ids, attention_mask=mask, **options)
+    if out.shape != (spec["batch"], spec["prompt"] + spec["new"] + spec["restart_new"]):
         raise RuntimeError(f"generate() returned shape {tuple(out.shape)}, not (batch, prompt + new)")
     report, tokens = meter.report(), out[:, spec["prompt"]:].tolist()
     return dict({k: v for k, v in spec.items() if k not in ("model_type", "config")}, baseline_bytes=report.baseline_bytes,

@@ -190,7 +190,7 @@ def improvement_table(df: pd.DataFrame, vary: str = "new") -> pd.DataFrame:
     return table.round({"measured": 3, "minimal": 3, "maximal": 3})
 
 
-# PR #30536's own factors (seed 000; RTX 4090, batch 1, prompt 300): drawn beside ours, never computed. The
+# PR #30536's own factors (its description and discussion; RTX 4090): drawn beside ours, never computed. The
 # minimal factor is per model ("~1.22 for Mistral and ~1.62 for Llama2"); the maximal one "2" for both.
 PR_MINIMAL = {"llama2": 1.62, "mistral": 1.22}
 

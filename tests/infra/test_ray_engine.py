@@ -26,6 +26,8 @@ from kvlab.lab.ray_engine import init_ray, point_resources
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
 
+# One pytest-xdist worker runs the whole module: its Ray instances start one after another, not side by side.
+pytestmark = pytest.mark.xdist_group("ray")
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(preset="toy", overrides="num_hidden_layers=1", batch=1, prompt=8, new=4, device="cpu")
 TOO_BIG = "num_hidden_layers=1,vocab_size=1000000000000"  # ~1 PB of embedding: a real out-of-memory at once
