@@ -1,10 +1,12 @@
 """Speed of the cache designs and of transformers' own generate(), side by side in one run.
 
-    python benchmarks/speed.py [--preset llama2-7b-twin] [--new 500,2000,8000] [--repeats 3]
+    python benchmarks/speed.py [--preset llama2-7b-twin] [--new 500,2000,8000] [--repeats 3] [--out data/speed]
 
-Machines are noisy: every length runs each contender in turn, `--repeats` times (`kvlab.lab.timing.interleaved`,
-so a slow moment hits all alike), and the table prints medians and their ratio to `dynamic`. No meter
-runs here: the live-storage counter adds Python work to every operator, more for some designs.
+Machines are noisy: every length runs each contender in turn, `--repeats` times (`kvlab.lab.timing.speed_runs`,
+so a slow moment hits all alike), and the table prints medians, the slowest and fastest run, and the median of the
+ratios to `dynamic` run by run. `--out DIR` keeps every run in DIR/results.csv and the machine in DIR/provenance.json
+(appendix A2 draws them). No meter runs here: the live-storage counter adds Python work to every operator,
+more for some designs.
 
 Where prealloc's lead comes from: every step, attention reads the whole cache in every design (the
 bytes read grow linearly with the length, quadratically over a run); `dynamic` (transformers'
@@ -14,28 +16,16 @@ is; the reading, and the weights' matmuls, stay.
 """
 
 import argparse
-import statistics
+import datetime
+import sys
+from pathlib import Path
 
+import pandas as pd
 import torch
 
-from kvlab.loops import generate
+from kvlab.lab.store import append_run
+from kvlab.lab.timing import CONTENDERS, speed_runs, spread
 from kvlab.models import build_model, resolve_device
-from kvlab.lab.timing import interleaved
-
-CONTENDERS = ("dynamic", "prealloc", "static", "transformers")
-
-
-def run(model, prompt, new, contender) -> float:
-    """Seconds to decode `new` tokens (the prompt's forward included, as generate() times it)."""
-    if contender != "transformers":
-        return generate(model, prompt, new, cache=contender, loop="v5").seconds
-    import time
-    start = time.perf_counter()
-    model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
-                   do_sample=False)
-    if prompt.device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - start
 
 
 def main():
@@ -48,23 +38,32 @@ def main():
     parser.add_argument("--new", default="500,2000,8000", help="comma-separated lengths")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--contenders", default=",".join(CONTENDERS))
+    parser.add_argument("--out", default="", help="folder for results.csv (every run) and provenance.json")
     args = parser.parse_args()
+    started = datetime.datetime.now(datetime.timezone.utc)
     device = resolve_device(args.device)
     model = build_model(args.preset, None, device, args.dtype)
     prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt),
                            generator=torch.Generator().manual_seed(0)).to(device)
     contenders = args.contenders.split(",")
-    print(f"{args.preset} {args.dtype} on {device} ({torch.get_num_threads()} threads): batch {args.batch}, "
-          f"prompt {args.prompt}; median tokens/s of {args.repeats} interleaved runs")
-    print(f"{'new':>6s} " + " ".join(f"{c:>13s}" for c in contenders) + "   " +
-          " ".join(f"{c + '/dyn':>15s}" for c in contenders if c != "dynamic"))
+    threads = torch.get_num_threads()
+    print(f"{args.preset} {args.dtype} on {device} ({threads} threads): batch {args.batch}, prompt {args.prompt}; "
+          f"tokens/s of {args.repeats} interleaved runs: median [slowest, fastest]")
+    rows = []
     for new in [int(n) for n in args.new.split(",")]:
-        seconds = interleaved({c: (lambda c=c: run(model, prompt, new, c)) for c in contenders}, args.repeats,
-                              warmup={c: (lambda c=c: run(model, prompt, 4, c)) for c in contenders})
-        speeds = {c: [args.batch * new / s for s in v] for c, v in seconds.items()}
-        median = {c: statistics.median(v) for c, v in speeds.items()}
-        print(f"{new:6d} " + " ".join(f"{median[c]:13.1f}" for c in contenders) + "   " +
-              " ".join(f"{median[c] / median['dynamic']:14.2f}x" for c in contenders if c != "dynamic"), flush=True)
+        runs = pd.DataFrame(speed_runs(model, prompt, [new], contenders, args.repeats))
+        rows.append(runs)
+        print(f"{new:6d} new: " + "; ".join(f"{c} {s['median']:.1f} [{s['slowest']:.1f}, {s['fastest']:.1f}]"
+                                            f" = {s['ratio_median']:.2f}x dynamic"
+                                            for (_, c), s in spread(runs).iterrows()), flush=True)
+    if args.out:
+        table = pd.concat(rows).assign(preset=args.preset, dtype=args.dtype, device=device, batch=args.batch,
+                                       prompt=args.prompt, threads=threads)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        table.to_csv(Path(args.out) / "results.csv", index=False)
+        append_run(args.out, "python benchmarks/speed.py " + " ".join(sys.argv[1:]), started, device,
+                   threads=threads, repeats=args.repeats)
+        print(f"wrote {args.out}/results.csv ({len(table)} runs) and {args.out}/provenance.json")
 
 
 if __name__ == "__main__":

@@ -77,13 +77,44 @@ class Layers:
         return peak
 
 
-def _held(s: Shape, cache: str, length: int, capacity_of, max_len: int) -> int:
-    """Bytes the cache design holds for `length` tokens."""
-    if cache == "static":
-        return s.kv(max_len)
-    if cache == "prealloc":
-        return s.kv(capacity_of(length))
-    return s.kv(length)
+class Buffers:
+    """Token slots of each layer's buffers under kvlab's `prealloc` (kvlab.caches). A full layer (`PreallocLayer`)
+    grows in blocks; a sliding layer of window W (`WindowLayer`) holds W - 1 + block_tokens slots from its first
+    update on: a prompt longer than that is read as it came and only its last W - 1 tokens are copied in, and when
+    the buffer is full the kept window (at most W - 1 tokens) moves to the front through a clone."""
+
+    def __init__(self, sliding: list, block_tokens: int):
+        self.sliding, self.block = sliding, block_tokens
+        self.storage = [0] * len(sliding)  # slots of each layer's keys (= values) buffer now
+        self.start = [0] * len(sliding)  # a sliding layer's kept tokens: buffer[start:end]
+        self.end = [0] * len(sliding)
+
+    def update(self, fed: int, before: int) -> int:
+        """Write `fed` tokens after `before`; returns the largest transient of one layer, in tokens: an old values
+        buffer while it grows, or the clone of a window as it moves."""
+        transient = 0
+        for i, window in enumerate(self.sliding):
+            if window is None:
+                grown = math.ceil((before + fed) / self.block) * self.block
+                if before > 0 and grown > self.storage[i]:
+                    transient = max(transient, self.storage[i])
+                self.storage[i] = max(self.storage[i], grown)
+                continue
+            capacity = self.storage[i] = window - 1 + self.block
+            start, end = self.start[i], self.end[i]
+            if end + fed > capacity and start > 0:
+                transient, start, end = max(transient, end - start), 0, end - start
+            if end + fed <= capacity:
+                end += fed
+            else:  # more than the buffer holds: only the last W - 1 tokens are copied in
+                start, end = 0, min(window - 1, end - start + fed)
+            self.start[i], self.end[i] = max(start, end - (window - 1)), end
+        return transient
+
+
+def _held(s: Shape, cache: str, length: int, max_len: int) -> int:
+    """Bytes the cache design holds for `length` tokens (prealloc's buffers: `Buffers`)."""
+    return s.kv(max_len if cache == "static" else length)
 
 
 def _steps(prompt, new, restart_new):
@@ -115,11 +146,11 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
     tuple_cache, keeps_outputs = cache == "tuple", release.keeps_previous_outputs
     max_len = prompt + new + restart_new
     static_len = max_len - 1  # as generate() sizes it: the last new token never enters the cache
-    capacity_of = lambda n: math.ceil(n / block_tokens) * block_tokens  # noqa: E731
     groups = s.heads // s.kv_heads
     # 5.x's dynamic cache on a sliding or hybrid config: each layer's storage walked step by step.
     sliding = windows(config) if cache == "dynamic" and release.major == 5 else [None] * s.layers
     layers = Layers(sliding) if any(sliding) else None
+    buffers = Buffers(windows(config), block_tokens) if cache == "prealloc" else None
     static_windows = [min(w or static_len, static_len) for w in windows(config)] if cache == "static" else []
     static_windows = static_windows if any(w != static_len for w in static_windows) else []
     window = next((w for w in windows(config) if w), None)  # the sliding mask's (one for every sliding layer)
@@ -153,7 +184,7 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
         if tuple_cache and keeps_outputs and strategy == "beam" and before > 0:
             persistent["un-reordered tuple held by outputs (beam, v4.40)"] = s.kv(before)
         old_tuple = s.kv(before) if tuple_cache or runtime == "convert" else 0
-        held_after = _held(s, cache, after, capacity_of, static_len)
+        held_after = _held(s, cache, after, static_len)
         if cache == "static" and static_windows:  # 5.x's StaticCache gives a sliding layer min(W, length) slots
             held_after = 2 * s.t * sum(static_windows)
         old_last, seen = before, after  # tokens of the last layer's values storage before its cat; keys attended
@@ -162,6 +193,11 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
             layers.update(fed)
             held_after = 2 * s.t * sum(layers.storage)
             seen = layers.storage[sliding.index(window)] if window else after
+        transient = 0  # prealloc: tokens of one layer's buffer copied aside during the update
+        if buffers is not None:
+            transient = buffers.update(fed, before)
+            held_after = 2 * s.t * sum(buffers.storage)
+            seen = min(before, window - 1) + fed if window else after  # a sliding layer reads its kept window + fed
         if window and seen >= window:  # SDPA's is_causal shortcut is off: a bool mask, alive for the whole forward
             persistent["sliding-window attention mask (bool)"] = s.rows * fed * seen
         # Alive in the last layer: the embeddings, the residual stream, the normed input, q, k, v and the
@@ -184,8 +220,8 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
                 update["consolidation: old chunks during the cat"] = s.t * after
             elif chunks > 1:
                 attention["keys and values concatenated for attention"] = 2 * s.t * after
-        if cache == "prealloc" and before > 0 and capacity_of(after) > capacity_of(before):
-            update["old values buffer during growth"] = s.t * capacity_of(before)
+        if transient:
+            update["old values buffer during growth, or a window's clone as it moves"] = s.t * transient
         # ... and its attention, which <= 4.42 ran on repeat_kv copies of the layer's keys and values.
         if release.major == 4 and groups > 1:
             attention["repeat_kv copies of one layer (<= 4.42 SDPA)"] = 2 * groups * s.t * (
@@ -221,8 +257,9 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
             if tuple_cache and keeps_outputs:
                 reorder = {"un-reordered tuple (held by outputs)": s.kv(after), "reordered tuple": s.kv(after)}
             else:  # one tensor at a time, the old one freed before the next is copied
-                largest = {"prealloc": capacity_of(after), "static": max(static_windows or [static_len]),
+                largest = {"static": max(static_windows or [static_len]),
                            "list": after - (chunks - 1)}.get(cache, after)  # list: its largest chunk
+                largest = max(buffers.storage) if buffers else largest  # prealloc: its largest buffer
                 reorder = {"cache": held_after, "one reordered tensor": s.t * largest}
                 if layers is not None:
                     peak = layers.reorder(s.t)
@@ -240,8 +277,8 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
                 best = (total, f"step {index} ({'restart ' if call else ''}{name})", terms)
         prev_logits = s.rows * fed * s.vocab * FP32 if keeps_outputs else 0
     # Tokens each layer's storage holds at the end (5.x sliding layers plateau at the window, the rest grow).
-    held_tokens = list(layers.storage) if layers is not None else static_windows or [
-        {"static": static_len, "prealloc": capacity_of(max_len - 1)}.get(cache, max_len - 1)] * s.layers
+    held_tokens = list((layers or buffers).storage) if layers or buffers else static_windows or [
+        static_len if cache == "static" else max_len - 1] * s.layers
     return best[0], best[1], best[2], s.kv(max_len), held_tokens
 
 

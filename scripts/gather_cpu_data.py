@@ -13,7 +13,7 @@ table = pd.concat(frames).drop_duplicates("point_id")
 out = root / "data" / "cpu"
 table.to_csv(out / "results.csv", index=False)
 prov = {"results": "results.csv",
-        "what": "the CPU sweeps " + ", ".join(sweeps) + " (kvlab/lab/sweeps/): the Llama-2-7B twin in bf16, one fresh papermill kernel per point running notebooks/03_experiment_point.ipynb, one OpenMP thread per kernel; overhead counted by the live-storage meter, tokens/s from a separate run without it (on a shared, busy 2-core machine: speeds are indicative, benchmarks/speed.py compares them side by side)",
+        "what": "the CPU sweeps " + ", ".join(sweeps) + " (kvlab/lab/sweeps/): the Llama-2-7B twin in bf16, one fresh papermill kernel per point running notebooks/A1_experiment_point.ipynb, one OpenMP thread per kernel; overhead counted by the live-storage meter, tokens/s from a separate run without it (on a shared, busy 2-core machine: speeds are indicative, benchmarks/speed.py compares them side by side)",
         "reproduce": [f"python -m kvlab sweep {s} --out results/{s}" for s in sweeps] + ["python scripts/gather_cpu_data.py  # concatenates the ok rows of each results/<sweep>/results.csv into data/cpu/results.csv"],
         "points": len(table), "runs": runs}
 (out / "provenance.json").write_text(json.dumps(prov, indent=1))

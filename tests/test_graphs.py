@@ -134,7 +134,7 @@ def test_profiler_meter_on_known_allocations():
     assert [(s.live_bytes, s.peak_bytes) for s in report.timeline] == [(4000, 4000), (12000, 16000)]
 
 
-# -- theory and the claims of notebook 06 --------------------------------------------------------
+# -- theory and the claims of notebook 05 --------------------------------------------------------
 
 TWIN = dict(preset="llama2-7b-twin", batch=2, prompt=24, new=24, timing=False)
 

@@ -94,7 +94,8 @@ def test_readme_links_every_notebook_and_agrees_with_the_repository_url():
         f"README links {sorted(linked)}; notebooks/ has {sorted(p.name for p in NOTEBOOKS)}")
     for url in re.findall(r"https://colab\.research\.google\.com/github/[^\s)\"'>]+", readme):
         assert url == colab.colab_url(url.rsplit("/", 1)[1]), f"README's Colab link {url} is not from kvlab.notebook.colab"
-    for url in re.findall(r"https://github\.com/[\w.-]+/[\w.-]+", readme):
+    # This repository's URL (links to transformers' PRs and issues are sources, not the repository).
+    for url in re.findall(r"https://github\.com/[\w.-]+/kvlab\b[\w.-]*", readme):
         assert url == colab.REPOSITORY, f"README names the repository {url}; kvlab.notebook.colab.REPOSITORY says {colab.REPOSITORY}"
 
 
@@ -160,3 +161,16 @@ def test_an_empty_notebook_or_an_empty_error_costs_one_line(tmp_path, capsys, mo
     monkeypatch.setattr(kvlab.notebook.tools, "execute", fail)
     assert main(["run", str(path)]) == 1
     assert capsys.readouterr().err.strip() == f"{path}: RuntimeError: (no message)"
+
+
+
+def test_kvlab_refusal_shows_only_kvlab_own_refusals():
+    from kvlab.loops import check_choice
+    from kvlab.notebook.helpers import kvlab_refusal
+
+    found = kvlab_refusal(lambda: check_choice("cache", "nope", ("dynamic",)))
+    assert found.startswith("ValueError from kvlab.loops: ") and "nope" in found
+    with pytest.raises(ValueError, match="raised here"):  # a ValueError from outside kvlab is not a refusal
+        kvlab_refusal(lambda: int("raised here"))
+    with pytest.raises(AssertionError, match="accepted"):
+        kvlab_refusal(lambda: None)

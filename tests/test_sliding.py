@@ -123,3 +123,46 @@ def test_kvlab_v5_dynamic_matches_the_real_5x_on_the_mistral_twin():
 def test_kvlab_v5_dynamic_matches_the_real_5x_on_every_twin(preset, overrides, prompt):
     _against_the_real_5x(preset, overrides, prompt, [dict(dtype=dtype, strategy=strategy) for dtype in
                                                      ("float32", "bfloat16") for strategy in ("greedy", "beam")])
+
+
+# kvlab's `prealloc` on a sliding layer (caches.WindowLayer): a buffer of W - 1 + block_tokens slots. Prompts: shorter
+# than the window, between W - 1 and the buffer (the window moves to the front after a few steps), past the buffer.
+BLOCK = 32
+WINDOW_PROMPTS = (40, 80, 100)
+
+
+def _prealloc_point(twin, prompt, dtype, strategy, new):
+    preset, overrides, _ = TWINS[twin]
+    record = run_point(preset=preset, overrides=overrides, cache="prealloc", loop="v5", dtype=dtype, strategy=strategy,
+                       batch=1, prompt=prompt, new=new, num_beams=3, block_tokens=BLOCK, device="cpu", timing=False)
+    tolerance = 0.001 if (dtype, strategy) == ("float32", "greedy") else 0.005  # as tests/test_theory.py holds it
+    assert abs(record["prediction_error"]) <= tolerance, (twin, prompt, dtype, strategy, record["prediction_error"])
+
+
+def test_prealloc_holds_a_window_buffer_per_sliding_layer_as_theory_says():
+    model = build_model("gemma-3-4b-twin", [f"sliding_window={WINDOW}"])
+    layers = model.config.num_hidden_layers
+    token = kv_bytes_per_token(model.config, 1, "float32") // layers  # one token of one layer
+    full = theory.windows(model.config).count(None)
+    for prompt in WINDOW_PROMPTS:
+        ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
+        kv = generate(model, ids, 2, cache="prealloc", loop="v5", cache_options=dict(block_tokens=BLOCK)).cache
+        full_slots = -(-(prompt + 1) // BLOCK) * BLOCK  # a full layer grows in blocks
+        held = (WINDOW - 1 + BLOCK) * (layers - full) + full_slots * full
+        assert cache_bytes(kv) == held * token, prompt
+        assert theory.explain(model.config, cache="prealloc", loop="v5", batch=1, prompt=prompt, new=2,
+                              block_tokens=BLOCK)["cache_tokens_per_layer"] == " + ".join(
+            f"{n} x {c}" for n, c in sorted({WINDOW - 1 + BLOCK: layers - full, full_slots: full}.items()))
+
+
+def test_theory_of_prealloc_on_a_sliding_twin_as_its_window_moves():
+    _prealloc_point("mistral", 80, "bfloat16", "beam", QUICK_NEW)  # the buffer fills after 15 steps: one move
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+@pytest.mark.parametrize("prompt", WINDOW_PROMPTS)
+@pytest.mark.parametrize("twin", ["mistral", "gemma3"])
+def test_theory_of_prealloc_on_the_sliding_twins(twin, prompt, dtype, strategy):
+    _prealloc_point(twin, prompt, dtype, strategy, NEW)

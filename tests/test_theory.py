@@ -133,7 +133,7 @@ def test_cache_reorder_needs_at_most_one_tensor(toy, cache):
     assert 0 < transient <= largest
 
 
-@pytest.mark.slow  # notebook 05 and test_tokens cover the restart in make test
+@pytest.mark.slow  # notebook 04 and test_tokens cover the restart in make test
 def test_restart_from_a_held_cache_costs_two_to_three_times(toy):
     point = dict(batch=4, prompt=64, new=256, restart_new=64, timing=False)
     before = run_point(toy, cache="tuple", loop="v4.40", **point)

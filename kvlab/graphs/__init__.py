@@ -211,7 +211,7 @@ def generate_graph(model, input_ids: torch.Tensor, new_tokens: int, runtime: str
     return Generation(tokens, kv, time.perf_counter() - start)
 
 
-# The comparison of notebook 06: (runtime, cache), the eager references first.
+# The comparison of notebook 05: (runtime, cache), the eager references first.
 VARIANTS = (("eager", "dynamic"), ("eager", "prealloc"), ("jit-trace", "tuple"), ("convert", "dynamic"),
             ("export", "static"))
 

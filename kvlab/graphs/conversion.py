@@ -61,3 +61,21 @@ def conversion_table(sizes_mib=(16, 64, 256), layers: int = 32, batch: int = 8, 
         rows.append(dict(tokens=length, **conversion_cost(random_tuples(layers, batch, kv_heads, length, head_dim,
                                                                         dtype), repeats)))
     return rows
+
+
+def tuple_support(model) -> dict:
+    """What the installed transformers still offers a tuple cache: the two conversion methods of <= 4.x's
+    `DynamicCache`, and whether the model's forward accepts a tuple (after a prompt of 4 tokens)."""
+    from ..compat import cache_argument, cache_from_outputs
+
+    ids = torch.zeros(1, 4, dtype=torch.long, device=model.device)
+    with torch.inference_mode():
+        tuples = to_tuples(cache_from_outputs(model(ids, use_cache=True)))
+        try:
+            model(ids[:, :1], use_cache=True, **{cache_argument(model): tuples})
+            forward = "accepted"
+        except Exception as error:  # whatever the release raises is the finding
+            forward = f"fails: {type(error).__name__}: {error}"
+    return {"DynamicCache.from_legacy_cache": "exists" if hasattr(DynamicCache, "from_legacy_cache") else "absent",
+            "DynamicCache.to_legacy_cache": "exists" if hasattr(DynamicCache, "to_legacy_cache") else "absent",
+            "a tuple passed to the forward": forward}

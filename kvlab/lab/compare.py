@@ -16,7 +16,7 @@ from .grid import expand, load_sweep, sweep_file, validate
 from .engines import run_sweep
 from .point import DESIGNS
 
-ANALYSIS_NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "04_analysis.ipynb"
+ANALYSIS_NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "03_analysis.ipynb"
 MIB = 2**20
 # The parameters a sweep's points may differ in besides the design; the table shows those that do.
 VARYING = ("preset", "overrides", "runtime", "strategy", "dtype", "batch", "prompt", "track_storages")
@@ -95,7 +95,7 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
         figures[out / "overhead_vs_new_tokens.png"] = plots.overhead_figure(results, "new")
     for path, figure in figures.items():
         figure.savefig(path, dpi=120, bbox_inches="tight")
-    analysis = out / "04_analysis.ipynb"
+    analysis = out / "03_analysis.ipynb"
     papermill.execute_notebook(str(ANALYSIS_NOTEBOOK), str(analysis), kernel_name=kernel_name(), progress_bar=False,
                                parameters={"results_csv": str((out / "results.csv").resolve())},
                                cwd=str(ANALYSIS_NOTEBOOK.parent.parent))

@@ -156,7 +156,8 @@ def format_prediction(result: dict) -> str:
         *("  ".join(c.rjust(w) if 1 <= i <= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
           for row in table), "",
         "peak = weights + overhead (kvlab.theory, live bytes above the weights); KV = prompt + new tokens in every "
-        "layer; cache at the end = what each layer's storage holds (5.x sliding layers stop at the window)",
+        "layer; cache at the end = what each layer's storage holds (5.x sliding layers stop at the window, "
+        "prealloc's at a buffer of window - 1 + block_tokens slots)",
         *([f"max batch / max new: the largest batch (at {r['new']} new) and the longest generation (at batch "
            f"{r['batch']}) each design fits in {gib(memory)} GiB; (context): the model's positions end first"]
           if inverse else [])])

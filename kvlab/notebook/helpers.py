@@ -1,18 +1,15 @@
-"""Small helpers the notebooks share: a bytes-written counter, tables and figures (the measurements themselves
-come from kvlab.lab.point and kvlab.meter)."""
+"""Small helpers the notebooks share: a bytes-written counter, tables, the theme (figures: kvlab.notebook.plots;
+the measurements themselves come from kvlab.lab.point and kvlab.meter)."""
 
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 import torch
-from matplotlib.ticker import MaxNLocator
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 MIB = 2**20
-CATEGORY_COLORS = {"weights": "tab:gray", "kv": "tab:blue", "logits": "tab:orange", "other": "tab:green"}
 NO_WRITE = ("empty", "empty_strided", "new_empty", "new_empty_strided", "empty_like")
 
 
@@ -73,52 +70,34 @@ def device_label(device: str) -> str:
     return f"{device_name(device)} ({device})"
 
 
-def plot_timelines(reports: dict, kv_bytes: int | None = None, title: str = "", ncols: int | None = None,
-                   ylabel: str = "memory above the weights (MiB)", kv_label: str = "final KV",
-                   xlabel: str = "decoding step (0 = the prompt's forward)", multiples=(1, 2)):
-    """One panel per design: live bytes at each step's end and the peak inside the step (MiB), y from zero;
-    `kv_bytes`: black lines at `multiples` of it, over the data, so a line on a reference is seen to be.
-    matplotlib, not seaborn's relplot: the series differ in marker and width; one legend holds the references."""
-    names = list(reports)
-    ncols = ncols or min(len(names), 4)
-    nrows = -(-len(names) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(3.6 * ncols, 3.0 * nrows + 0.6), sharey=True, squeeze=False)
-    styles = {1: ":", 2: "--", 3: "-."}
-    for ax, name in zip(axes.flat, names):
-        timeline = reports[name].timeline
-        steps = [s.step for s in timeline]
-        ax.plot(steps, [s.peak_bytes / MIB for s in timeline], color="tab:red", marker=".", markersize=3,
-                linewidth=1.2, label="peak inside the step")
-        ax.plot(steps, [s.live_bytes / MIB for s in timeline], color="tab:blue", linewidth=1.6,
-                label="live at the step's end")
-        for multiple in multiples if kv_bytes else ():
-            ax.axhline(multiple * kv_bytes / MIB, color="black", linestyle=styles.get(multiple, ":"), linewidth=1,
-                       zorder=4, label=f"{multiple}x {kv_label}")
-        ax.set_title(name, fontsize=10)
-        ax.set(xlabel=xlabel, ylim=(0, None))
-        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    for ax in axes[:, 0]:
-        ax.set_ylabel(ylabel)
-    for ax in list(axes.flat)[len(names):]:
-        ax.set_visible(False)
-    handles, labels = axes.flat[0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=8, frameon=False)
-    if title:
-        fig.suptitle(title, fontsize=11)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    return fig
+def kvlab_refusal(call) -> str:
+    """Run `call`, which kvlab must refuse: the ValueError it raised and the kvlab module that raised it. A
+    ValueError raised elsewhere (by transformers: not kvlab's refusal) is raised again; no error is an error."""
+    try:
+        call()
+    except ValueError as error:
+        frame = error.__traceback__
+        while frame.tb_next:  # the innermost frame: where the error was raised
+            frame = frame.tb_next
+        raised_in = frame.tb_frame.f_globals["__name__"]
+        if not raised_in.startswith("kvlab."):
+            raise
+        return f"ValueError from {raised_in}: {error}"
+    raise AssertionError("kvlab accepted what it should refuse")
 
 
-def plot_at_peak(reports: dict, title: str = "", include_weights: bool = False):
-    """Stacked horizontal bars (pandas): what was live at each design's peak, by category (MiB)."""
-    categories = ["weights", "kv", "logits", "other"] if include_weights else ["kv", "logits", "other"]
-    df = pd.DataFrame({name: {c: report.at_peak.get(c, 0) / MIB for c in categories}
-                       for name, report in reports.items()}).T
-    ax = df.plot.barh(stacked=True, color=CATEGORY_COLORS, width=0.8, figsize=(8, 0.5 * len(df) + 1.4))
-    ax.invert_yaxis()
-    ax.set(xlabel="bytes live at the peak (MiB)" + ("" if include_weights else ", weights excluded"),
-           ylabel="cache / loop")
-    ax.set_title(title, fontsize=10)
-    ax.legend(loc="lower right", fontsize=8)
-    ax.figure.tight_layout()
-    return ax.figure, df.round(3)
+def two_fixes_terms(config, cache: str, loop: str, batch: int, prompt: int, dtype: str) -> dict:
+    """The big terms of the first two steps (bytes) at a logits point, from the loop's description alone: step 0
+    (the prompt's forward) holds the prompt's KV and, before v5, every prompt position's logits (twice in bf16:
+    the model's dtype and the fp32 upcast); step 1 holds the cache (twice for the tuple round trip) and, under
+    v4.40, the prompt's fp32 logits kept from step 0. Notebook 02 sets them beside the measured peaks."""
+    from ..loops import LOOPS
+    from ..models import element_size, kv_bytes_per_token
+
+    release = LOOPS[loop]
+    fp32_logits = batch * prompt * config.vocab_size * 4
+    logits = batch * prompt * config.vocab_size * element_size(dtype) + (fp32_logits if element_size(dtype) != 4 else 0)
+    per_token = kv_bytes_per_token(config, batch, dtype)
+    return {"step 0: KV + prompt logits": per_token * prompt + (0 if release.major == 5 else logits),
+            "step 1: KV (x2 for tuple) + kept logits": (2 if cache == "tuple" else 1) * per_token * (prompt + 1)
+            + (fp32_logits if release.keeps_previous_outputs else 0)}

@@ -1,23 +1,84 @@
-"""The figures: the PR's benchmark plots redrawn from a results table (`kvlab.lab.store.load_results`), the main
-job's bars, and notebook 07's stream modes. Measured: solid lines; kvlab.theory: thin black dashes over them."""
+"""The figures the notebooks share: per-step timelines and what is live at the peak, the PR's benchmark plots
+redrawn from a results table (`kvlab.lab.store.load_results`), the main job's bars, and notebook 06's stream
+modes. Measured: solid lines; kvlab.theory: thin black dashes over them. At most WIDTH inches wide."""
 
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
+from matplotlib.ticker import MaxNLocator
 
-from ..lab import point as experiment
 from .. import theory
+from ..lab import point as experiment
 from ..models import build_config
+from .helpers import MIB
 
-MIB, GIB = 2**20, 2**30
 SIZES = ("new", "batch", "prompt")
 AXIS_NAMES = {"new": "new tokens", "batch": "batch size", "prompt": "prompt length (tokens)"}
 DESIGNS = [f"{cache} / {loop}" for cache, loop in experiment.DESIGNS]
 MARKERS = "osD^vPX*"
 # Before and after PR #30536, as released: the ratio the PR reports.
 BASELINE, FIXED = ("tuple", "v4.40"), ("dynamic", "v4.42")
+
+
+WIDTH = 10  # inches: ≈ 1000 px at the notebooks' 100 dpi, the most a notebook shows without shrinking labels
+CATEGORY_COLORS = {"weights": "tab:gray", "kv": "tab:blue", "logits": "tab:orange", "other": "tab:green"}
+
+
+def plot_timelines(reports: dict, kv_bytes: int | None = None, title: str = "", ncols: int | None = None,
+                   ylabel: str = "memory above the weights (MiB)", kv_label: str = "final KV",
+                   xlabel: str = "decoding step (0 = the prompt's forward)", multiples=(1, 2)):
+    """One panel per design: live bytes at each step's end and the peak inside the step (MiB), y from zero;
+    `kv_bytes`: black lines at `multiples` of it, over the data, so a line on a reference is seen to be.
+    At most 3 panels a row (2 for 4 designs), WIDTH wide in all. matplotlib, not seaborn's relplot: the series
+    differ in marker and width; one legend holds the references."""
+    names = list(reports)
+    ncols = ncols or (2 if len(names) == 4 else min(len(names), 3))
+    nrows = -(-len(names) // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(WIDTH, 2.7 * nrows + 0.9), sharey=True, squeeze=False)
+    styles = {1: ":", 2: "--", 3: "-."}
+    for ax, name in zip(axes.flat, names):
+        timeline = reports[name].timeline
+        steps = [s.step for s in timeline]
+        ax.plot(steps, [s.peak_bytes / MIB for s in timeline], color="tab:red", marker=".", markersize=3,
+                linewidth=1.2, label="peak inside the step")
+        ax.plot(steps, [s.live_bytes / MIB for s in timeline], color="tab:blue", linewidth=1.6,
+                label="live at the step's end")
+        for multiple in multiples if kv_bytes else ():
+            ax.axhline(multiple * kv_bytes / MIB, color="black", linestyle=styles.get(multiple, ":"), linewidth=1,
+                       zorder=4, label=f"{multiple}x {kv_label}")
+        ax.set_title(name, fontsize=10)
+        ax.set(ylim=(0, None))
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    for i, ax in enumerate(axes.flat):
+        if i >= len(names):
+            ax.set_visible(False)
+        elif i + ncols >= len(names):  # the lowest panel of its column
+            ax.set_xlabel(xlabel)
+    for ax in axes[:, 0]:
+        ax.set_ylabel(ylabel)
+    handles, labels = axes.flat[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
+    if title:
+        fig.suptitle(title, fontsize=11)
+    fig.tight_layout(rect=(0, 0.5 / (2.7 * nrows + 0.9), 1, 1))
+    return fig
+
+
+def plot_at_peak(reports: dict, title: str = "", include_weights: bool = False):
+    """Stacked horizontal bars (pandas): what was live at each design's peak, by category (MiB)."""
+    categories = ["weights", "kv", "logits", "other"] if include_weights else ["kv", "logits", "other"]
+    df = pd.DataFrame({name: {c: report.at_peak.get(c, 0) / MIB for c in categories}
+                       for name, report in reports.items()}).T
+    ax = df.plot.barh(stacked=True, color=CATEGORY_COLORS, width=0.8, figsize=(8, 0.5 * len(df) + 1.4))
+    ax.invert_yaxis()
+    ax.set(xlabel="bytes live at the peak (MiB)" + ("" if include_weights else ", weights excluded"),
+           ylabel="cache / loop")
+    ax.set_title(title, fontsize=10)
+    ax.legend(loc="lower right", fontsize=9)
+    ax.figure.tight_layout()
+    return ax.figure, df.round(3)
 
 
 def measured(df: pd.DataFrame) -> pd.DataFrame:
@@ -68,43 +129,47 @@ def varying_sizes(df: pd.DataFrame) -> list[str]:
     return found
 
 
+def _in_kv(rows: pd.DataFrame) -> pd.DataFrame:
+    """Peak above the weights ÷ the point's final KV cache, measured and predicted: the one normalisation."""
+    return rows.assign(measured_x=rows["overhead_bytes"] / rows["kv_final_bytes"],
+                       theory_x=rows["predicted_overhead_bytes"] / rows["kv_final_bytes"])
+
+
 def overhead_figure(df: pd.DataFrame, vary: str = "new", title: str = ""):
-    """Peak memory above the weights against one size, for every design: measured (solid, markers) and
-    predicted by kvlab.theory (dashed, drawn over the data), with 1x and 2x the final KV in grey (the tuple cache
-    of v4.40 should sit on 2x, the one-object designs near 1x). Both axes start at zero, so twice the memory
-    looks twice as high. matplotlib, not seaborn: hollow markers shrinking design by design keep coinciding lines
-    visible."""
-    rows = series(measured(df), vary)
-    presets = list(dict.fromkeys(rows["preset"]))
-    scale, unit = (GIB, "GiB") if max(rows["overhead_bytes"].max(), 2 * rows["kv_final_bytes"].max()) >= 2 * GIB \
-        else (MIB, "MiB")
+    """Peak above the weights ÷ final KV against one size, in two panels so that no design hides another: the
+    PR's comparison (the loops of v4.40 and v4.42: the tuple cache on 2x, one cache object near 1x, y from zero)
+    and today's loop with every design (v5: all near 1x, the y axis zoomed so that they separate). Measured:
+    markers on a line; kvlab.theory: a thin black dash over each."""
+    rows = _in_kv(series(measured(df), vary))
+    several = rows["preset"].nunique() > 1
+    panels = [("before and after the PR (loops v4.40, v4.42)", rows[rows["loop"] != "v5"]),
+              ("today's loop (v5), every design (y zoomed)", rows[rows["loop"] == "v5"])]
+    panels = [(name, part) for name, part in panels if not part.empty]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.9 * len(panels), 4.3), squeeze=False)
     designs = [d for d in DESIGNS if d in set(rows["design"])] + sorted(set(rows["design"]) - set(DESIGNS))
     colours = dict(zip(designs, sns.color_palette("tab10", len(designs))))
-    fig, axes = plt.subplots(1, len(presets), figsize=(6.5 * len(presets) + 2, 4.5), squeeze=False)
-    for ax, preset in zip(axes[0], presets):
-        part = rows[rows["preset"] == preset]
-        for i, design in enumerate(designs):
-            line = part[part["design"] == design]
-            if line.empty:
-                continue
-            # Designs often coincide (tuple / v4.42 on tuple / v4.40): hollow, shrinking markers keep each visible.
-            ax.plot(line[vary], line["overhead_bytes"] / scale, "-", marker=MARKERS[i % len(MARKERS)],
-                    markersize=10 - i, fillstyle="none", markeredgewidth=1.5, color=colours[design], label=design)
-            if line["predicted_overhead_bytes"].fillna(0).gt(0).any():  # over the data: a hidden line hides no miss
-                ax.plot(line[vary], line["predicted_overhead_bytes"] / scale, "--", color="black", linewidth=0.8,
-                        zorder=4)
-        kv = part.groupby(vary)["kv_final_bytes"].first() / scale
-        for multiple, style in ((1, ":"), (2, "-.")):
-            ax.plot(kv.index, multiple * kv.values, style, color="grey", linewidth=1.5, zorder=5,
-                    label=f"{multiple} x final KV")
-        ax.set(xlim=(0, None), ylim=(0, None), xlabel=AXIS_NAMES[vary],
-               ylabel=f"peak memory above the weights ({unit})")
-        first = part.iloc[0]
-        fixed = ", ".join(f"{AXIS_NAMES[size].split(' (')[0]} {first[size]}" for size in SIZES if size != vary)
-        ax.set_title(title or f"Peak above the weights against {AXIS_NAMES[vary]}: {first['preset']} {first['dtype']} "
-                     f"on {first['device']}, {fixed}", fontsize=10)
-    axes[0][-1].plot([], [], "--", color="black", linewidth=0.8, label="kvlab.theory, per design")
-    axes[0][-1].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+    for ax, (name, part) in zip(axes[0], panels):
+        for i, ((preset, design), line) in enumerate(part.groupby(["preset", "design"], sort=False)):
+            label = f"{design} ({preset})" if several else design
+            ax.plot(line[vary], line["measured_x"], "-", marker=MARKERS[designs.index(design) % len(MARKERS)],
+                    markersize=7, fillstyle="none", markeredgewidth=1.5, color=colours[design], label=label)
+            if line["theory_x"].notna().all():
+                ax.plot(line[vary], line["theory_x"], "--", color="black", linewidth=0.8, zorder=4)
+        ax.plot([], [], "--", color="black", linewidth=0.8, label="kvlab.theory")
+        for multiple in (1, 2):
+            ax.axhline(multiple, color="grey", linestyle=":", linewidth=1.2, zorder=1)
+        if part["loop"].eq("v5").all():
+            low, high = part[["measured_x", "theory_x"]].min().min(), part[["measured_x", "theory_x"]].max().max()
+            ax.set_ylim(min(0.98, low - 0.01), high + 0.25 * (high - min(0.98, low)) + 0.01)
+        else:
+            ax.set_ylim(0, max(2.2, part["measured_x"].max() * 1.08))
+        ax.set(xlim=(0, None), xlabel=AXIS_NAMES[vary], title=name)
+        ax.legend(fontsize=9, loc="best")
+    axes[0][0].set_ylabel("peak above the weights ÷ final KV (x)")
+    first = rows.iloc[0]
+    fixed = ", ".join(f"{AXIS_NAMES[size].split(' (')[0]} {first[size]}" for size in SIZES if size != vary)
+    fig.suptitle(title or f"Peak against {AXIS_NAMES[vary]}, in final KV caches: {first['preset']} {first['dtype']} "
+                 f"on {first['device']}, {fixed}", fontsize=11)
     fig.tight_layout()
     return fig
 
@@ -125,40 +190,53 @@ def improvement_table(df: pd.DataFrame, vary: str = "new") -> pd.DataFrame:
     return table.round({"measured": 3, "minimal": 3, "maximal": 3})
 
 
-# PR #30536's own factors (its description and discussion; RTX 4090): drawn beside ours, never computed.
-PR_FACTORS = {"maximal": 2.0, "minimal, Llama-2-7B": 1.62, "minimal, Mistral-7B": 1.22}
+# PR #30536's own factors (its description and discussion; RTX 4090): drawn beside ours, never computed. The
+# minimal factor is per model ("~1.22 for Mistral and ~1.62 for Llama2"); the maximal one "2" for both.
+PR_MINIMAL = {"llama2": 1.62, "mistral": 1.22}
+
+
+def _pr_factors(preset: str) -> dict:
+    model = next((name for name in PR_MINIMAL if preset.startswith(name)), None)
+    return {"maximal": 2.0, **({f"minimal ({model})": PR_MINIMAL[model]} if model else {})}
 
 
 def improvement_figure(df: pd.DataFrame, sizes=SIZES, title: str = ""):
-    """One panel per size: the measured v4.40 / v4.42 ratio, kvlab.theory's bounds for the same model and
-    the PR's own factors (grey, as the PR states them), on a ratio axis from 1 (no saving)."""
+    """One panel per size: the measured v4.40 / v4.42 ratio (markers), kvlab.theory's minimal and maximal
+    factors for the same model (thin black dashes) and the PR's own factors for that model only (grey
+    triangles on the right edge, as the PR states them), on a ratio axis from 1 (no saving)."""
     tables = {}
     for vary in sizes:
         try:
             tables[vary] = improvement_table(df, vary)
         except ValueError:  # this table has no such series
             continue
-    fig, axes = plt.subplots(1, len(tables), figsize=(4.5 * len(tables), 4.2), squeeze=False, sharey=True)
+    fig, axes = plt.subplots(1, len(tables), figsize=(3.3 * len(tables), 4.0), squeeze=False, sharey=True)
     for ax, (vary, table) in zip(axes[0], tables.items()):
-        for value, style in zip(PR_FACTORS.values(), ("-", "-.", ":")):
-            ax.axhline(value, color="grey", linestyle=style, linewidth=1.2)
-        for preset, part in table.groupby("preset", sort=False):
-            label = f" ({preset})" if table["preset"].nunique() > 1 else ""
-            ax.plot(part[vary], part["maximal"], "--", color="tab:green", label=f"kvlab.theory maximal{label}")
-            ax.plot(part[vary], part["minimal"], "--", color="tab:red", label=f"kvlab.theory minimal{label}")
-            ax.plot(part[vary], part["measured"], "o-", color="tab:blue", zorder=4, label=f"measured{label}")
+        several = table["preset"].nunique() > 1
+        for i, (preset, part) in enumerate(table.groupby("preset", sort=False)):
+            colour = sns.color_palette("tab10")[i]
+            for bound in ("minimal", "maximal"):
+                ax.plot(part[vary], part[bound], "--", color="black", linewidth=0.8)
+            ax.plot(part[vary], part["measured"], "o-", color=colour, zorder=4,
+                    label=f"measured ({preset})" if several else "measured")
+            for name, value in _pr_factors(preset).items():
+                ax.plot(1.0, value, "<", color="grey", markersize=9, clip_on=False, zorder=5,
+                        transform=ax.get_yaxis_transform())
         ax.set(ylim=(1, 2.1), xlim=(0, None), xlabel=AXIS_NAMES[vary])
         first = table.iloc[0]
-        ax.set_title(", ".join(f"{AXIS_NAMES[k].split(' (')[0]} {first[k]}" for k in SIZES if k != vary), fontsize=9)
+        ax.set_title(", ".join(f"{AXIS_NAMES[k].split(' (')[0]} {first[k]}" for k in SIZES if k != vary), fontsize=10)
     axes[0][0].set_ylabel("peak of tuple / v4.40 ÷ peak of dynamic / v4.42 (x)")
     handles, labels = axes[0][0].get_legend_handles_labels()
-    handles += [plt.Line2D([], [], color="grey", linestyle=s) for s in ("-", "-.", ":")]
-    labels += [f"PR #30536: {name} ≈ {value:g}" for name, value in PR_FACTORS.items()]
-    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    presets = list(dict.fromkeys(t["preset"].iloc[0] for t in tables.values()))
+    stated = ", ".join(f"{name} {value:g}" for name, value in _pr_factors(presets[0]).items())
+    handles += [plt.Line2D([], [], linestyle="--", color="black", linewidth=0.8),
+                plt.Line2D([], [], marker="<", color="grey", linestyle="", markersize=9)]
+    labels += ["kvlab.theory: minimal and maximal factors", f"PR #30536's own factors ({stated})"]
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
     first = next(iter(tables.values())).iloc[0]
     fig.suptitle(title or f"How much the PR saved, measured: {first['preset']} {first['dtype']} on {first['device']}",
                  fontsize=11)
-    fig.tight_layout(rect=(0, 0.12, 1, 1))
+    fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig
 
 
@@ -183,7 +261,7 @@ def compare_figure(df: pd.DataFrame):
     return fig
 
 
-# Notebook 07's stream modes (kvlab.encdec.stream.MODES): one colour, marker and dash each, in every figure.
+# Notebook 06's stream modes (kvlab.encdec.stream.MODES): one colour, marker and dash each, in every figure.
 MODE_STYLES = {"hf-static": ("tab:red", "o", None), "reused": ("tab:blue", "s", (5, 3)),
                "reused-max": ("tab:purple", "^", (1, 2)), "dynamic": ("tab:green", "D", (3, 1, 1, 1))}
 
@@ -269,5 +347,36 @@ def cache_growth_figure(growth: pd.DataFrame, title: str = ""):
            ylabel="cache storage (MiB)")
     ax.set_title(title or "transformers 5.24's DynamicCache against tokens: twins, bf16, CPU, batch 1", fontsize=10)
     ax.legend(fontsize=9)
+    fig.tight_layout()
+    return fig
+
+
+def speed_figure(runs: pd.DataFrame, title: str = ""):
+    """Appendix A2: every timed run of one length (`runs`: kvlab.lab.timing.speed_runs' rows), tokens/s on the
+    left (from zero), the ratio to dynamic's run of the same round on the right (around 1); a dot per run, a red
+    tick at the median, so the spread of the repeats is seen next to the differences between contenders."""
+    from ..lab.timing import spread, with_ratios
+
+    table = spread(runs).reset_index().set_index("contender")
+    runs = with_ratios(runs)
+    order = list(dict.fromkeys(runs["contender"]))
+    fig, (speed, ratio) = plt.subplots(1, 2, figsize=(WIDTH, 0.55 * len(order) + 1.9), sharey=True)
+    for ax, column, median in ((speed, "tokens_per_s", "median"), (ratio, "ratio", "ratio_median")):
+        sns.stripplot(runs, y="contender", x=column, order=order, color="black", size=6, jitter=0.12, ax=ax,
+                      legend=False)
+        ax.scatter(table.loc[order, median], range(len(order)), marker="|", s=900, linewidths=2.5, color="tab:red",
+                   zorder=4)
+        ax.set(ylabel="")
+    ratio.axvline(1, color="black", linewidth=1, zorder=1)
+    low, high = runs["ratio"].min(), runs["ratio"].max()
+    ratio.set_xlim(min(0.9, low - 0.05), max(1.1, high + 0.05))
+    speed.set_xlim(0, runs["tokens_per_s"].max() * 1.1)
+    speed.set_xlabel("generated tokens per second (every run)")
+    ratio.set_xlabel("÷ dynamic's run of the same round (x)")
+    speed.legend([plt.Line2D([], [], marker="o", color="black", linestyle=""),
+                  plt.Line2D([], [], marker="|", color="tab:red", linestyle="", markersize=14, markeredgewidth=2.5)],
+                 ["one run", "median"], fontsize=9, loc="lower left")
+    if title:
+        fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig

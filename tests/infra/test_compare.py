@@ -17,7 +17,7 @@ def test_compare_writes_results_figures_and_the_executed_analysis(tmp_path):
     assert len(results) == len(DESIGNS) and set(results["status"]) == {"ok"}
     assert set(zip(results["cache"], results["loop"])) == set(DESIGNS)
     assert (results["prediction_error"].abs() <= 0.05).all()
-    for name in ("compare.png", "04_analysis.ipynb"):
+    for name in ("compare.png", "03_analysis.ipynb"):
         assert (out / name).stat().st_size > 0
         assert str(out / name) in result.stdout
     assert "tuple / v4.40 (<= 4.41) over the best v5 design's overhead" in result.stdout

@@ -26,3 +26,18 @@ def test_without_a_warm_up_each_contender_runs_once_more_untimed():
 
 def test_median_ignores_one_slow_run():
     assert median([1.0, 9.0, 1.1]) == 1.1 and median([3.0]) == 3.0
+
+
+def test_spread_pairs_each_run_with_the_baseline_of_its_own_round():
+    import pandas as pd
+    from kvlab.lab.timing import spread
+
+    # Round 2 is slow for both: the per-round ratio stays 1.25 while the medians alone would mix the rounds.
+    runs = pd.DataFrame([dict(new=8, contender=c, repeat=r, tokens_per_s=v) for c, r, v in [
+        ("dynamic", 1, 100.0), ("prealloc", 1, 125.0), ("dynamic", 2, 40.0), ("prealloc", 2, 50.0),
+        ("dynamic", 3, 80.0), ("prealloc", 3, 100.0)]])
+    table = spread(runs).loc[8]
+    assert table.loc["prealloc", ["ratio_min", "ratio_median", "ratio_max"]].tolist() == [1.25, 1.25, 1.25]
+    assert table.loc["dynamic", "ratio_median"] == 1.0
+    assert table.loc["prealloc", ["median", "slowest", "fastest"]].tolist() == [100.0, 50.0, 125.0]
+    assert table.loc["prealloc", "spread_pct"] == 75.0
