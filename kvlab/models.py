@@ -1,8 +1,8 @@
-"""Model presets: public config values, seeded random weights, no network.
+"""Models from presets: public config values, seeded random weights, no network.
 
 Memory does not depend on weight values, so a model built from its public config with random
-weights allocates exactly what the real checkpoint would. One registry holds the decoders (what a
-point measures) and the encoder–decoders (what kvlab.encdec's request streams serve); a model is named
+weights allocates exactly what the real checkpoint would. One registry (kvlab.presets) holds the decoders
+(what a point measures) and the encoder–decoders (what kvlab.encdec's request streams serve); a model is named
 by a preset, a local config.json (or its folder), or a hub id (`owner/name`, real weights, for Colab
 users with network access) when no such local path exists.
 """
@@ -17,88 +17,10 @@ from urllib.parse import urlparse
 import torch
 from huggingface_hub.errors import StrictDataclassError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
-from transformers import (AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq,
-                          BartConfig, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config,
-                          Qwen3Config, T5Config, WhisperConfig)
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
 from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
 
-# Values copied from each model's public config.json on the Hugging Face hub.
-DECODERS: dict[str, tuple[type, dict]] = {
-    # Small enough that CPU decoding of hundreds of tokens takes seconds.
-    "toy": (LlamaConfig, dict(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=1000, max_position_embeddings=8192)),
-    "tinyllama-1.1b": (LlamaConfig, dict(  # TinyLlama/TinyLlama-1.1B-Chat-v1.0
-        hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5)),
-    "qwen2.5-0.5b": (Qwen2Config, dict(  # Qwen/Qwen2.5-0.5B
-        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, use_sliding_window=False)),
-    "llama2-7b": (LlamaConfig, dict(  # meta-llama/Llama-2-7b-hf
-        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)),
-    "mistral-7b": (MistralConfig, dict(  # mistralai/Mistral-7B-v0.1, sliding window off (as v0.2+)
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rms_norm_eps=1e-5,
-        sliding_window=None)),
-    "llama3-8b": (LlamaConfig, dict(  # meta-llama/Meta-Llama-3-8B
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
-        rope_theta=500000.0)),
-    # Today's attention layouts. Unlisted values are the config class's defaults in transformers 5.24, which
-    # are these checkpoints' own except where a value is given here.
-    "mistral-7b-v0.1": (MistralConfig, dict(  # mistralai/Mistral-7B-v0.1 as released: every layer slides, window 4096
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rms_norm_eps=1e-5,
-        sliding_window=4096)),
-    "gemma-3-4b": (Gemma3TextConfig, dict(  # google/gemma-3-4b-it's text_config: 5 sliding layers, then 1 full
-        hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=256, vocab_size=262208, sliding_window=1024, query_pre_attn_scalar=256)),
-    "gpt-oss-20b": (GptOssConfig, dict(  # openai/gpt-oss-20b: sliding (128) and full layers alternate; 32 experts
-        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
-        num_key_value_heads=8, head_dim=64, vocab_size=201088, sliding_window=128, num_local_experts=32,
-        num_experts_per_tok=4)),
-    "qwen3-8b": (Qwen3Config, dict(  # Qwen/Qwen3-8B: full attention in every layer
-        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-        rope_theta=1000000.0, tie_word_embeddings=False)),
-}
-
-# Twins: a real model's layers, heads and KV heads, every width divided by TWIN_SCALE (head_dim too where the
-# config spells it out; elsewhere it follows hidden_size). The peak's ratios (logits, activations and MLP bytes
-# per KV byte) stay the same, and a point at the PR's shape runs on a 2-core CPU in a minute or two instead of
-# needing a GPU. Sliding windows and the layer pattern are kept: how far a prompt reaches past the window is
-# what a sliding layer's bytes depend on.
-TWIN_SCALE = 32
-TWIN_WIDTHS = ("hidden_size", "intermediate_size", "vocab_size", "head_dim")
-
-
-# GPT-OSS's experts run on torch's grouped_mm, which needs rows of a multiple of 16 bytes: 2880 / 32 = 90 is not,
-# so its twin's hidden and expert widths are rounded up to 96 (activations 7 % wider than an exact 1/32 scale).
-TWIN_EXCEPTIONS = {"gpt-oss-20b": dict(hidden_size=96, intermediate_size=96)}
-
-
-def _twin(name: str) -> tuple[type, dict]:
-    config_class, values = DECODERS[name]
-    widths = [key for key in TWIN_WIDTHS if key in values and key not in TWIN_EXCEPTIONS.get(name, {})]
-    for key in widths:
-        assert values[key] % TWIN_SCALE == 0, f"{name}: {key} is not a multiple of {TWIN_SCALE}"
-    return config_class, {**values, **{key: values[key] // TWIN_SCALE for key in widths}, **TWIN_EXCEPTIONS.get(name, {})}
-
-
-TWINS = {f"{name}-twin": name for name in ("llama2-7b", "mistral-7b", "llama3-8b", "mistral-7b-v0.1", "gemma-3-4b",
-                                           "gpt-oss-20b", "qwen3-8b")}
-DECODERS.update({twin: _twin(name) for twin, name in TWINS.items()})
-
-# Random weights at transformers' default std (initializer_range 0.02) decode one token over and over: in our
-# measurement every position's logits share one dominant direction (cosine 0.4-0.5 with their mean on `toy` and
-# the Llama-2 twin), so greedy and beam rows repeat 1-3 tokens and "same tokens" proves little. At 0.1 the
-# context moves the argmax and rows are varied. Weights' values change no byte count.
-RANDOM_INIT_STD = 0.1
-for _, values in DECODERS.values():
-    values["initializer_range"] = RANDOM_INIT_STD
-
+from .presets import DECODERS, ENCODER_DECODERS, PRESETS, vary_decoder
 
 def assert_varied(new_tokens, least: float = 0.5) -> None:
     """Fail unless every row of generated tokens (a tensor or lists, the prompt left out) has at least `least` of
@@ -107,48 +29,6 @@ def assert_varied(new_tokens, least: float = 0.5) -> None:
     distinct = [len(set(row)) for row in rows]
     assert rows and all(count >= max(2, least * len(row)) for count, row in zip(distinct, rows)), (
         f"degenerate output: distinct tokens per row {distinct} of {[len(row) for row in rows]}; first row {rows[0]}")
-
-# T5Config() and WhisperConfig() default to google-t5/t5-small and openai/whisper-tiny; BartConfig() to
-# bart-large's widths. Their start and pad tokens are the checkpoints' own.
-ENCODER_DECODERS: dict[str, tuple[type, dict]] = {
-    "t5-small": (T5Config, dict(  # google-t5/t5-small
-        d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=6, num_heads=8, vocab_size=32128,
-        relative_attention_num_buckets=32, feed_forward_proj="relu", decoder_start_token_id=0, pad_token_id=0)),
-    "whisper-tiny": (WhisperConfig, dict(  # openai/whisper-tiny
-        d_model=384, encoder_layers=4, decoder_layers=4, encoder_attention_heads=6, decoder_attention_heads=6,
-        encoder_ffn_dim=1536, decoder_ffn_dim=1536, vocab_size=51865, num_mel_bins=80, max_source_positions=1500,
-        max_target_positions=448, decoder_start_token_id=50258, pad_token_id=50257)),
-    "bart-base": (BartConfig, dict(  # facebook/bart-base
-        d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12, decoder_attention_heads=12,
-        encoder_ffn_dim=3072, decoder_ffn_dim=3072, vocab_size=50265, max_position_embeddings=1024,
-        decoder_start_token_id=2, pad_token_id=1)),
-}
-# Random weights at the default init decode one token over and over here too (T5 and BART: their LM head is the
-# input embedding, and the greedy argmax stays on the token fed in), and the output ignores the encoder. These init
-# values and the position scaling in vary_decoder() make each step's token differ, and differ with the encoder
-# input, in our measurement (tests/test_encdec.py); weights' values change no byte count.
-# BART keeps its default init_std 0.02 at its real width (a 64-wide BART needs 0.1: tests/test_encdec.py).
-RANDOM_INIT = {"t5-small": dict(initializer_factor=1.5), "whisper-tiny": dict(init_std=0.5)}
-for _name, _init in RANDOM_INIT.items():
-    ENCODER_DECODERS[_name][1].update(_init)
-PRESETS = {**DECODERS, **ENCODER_DECODERS}
-
-
-def vary_decoder(model) -> None:
-    """Post-init scaling for the encoder-decoder presets' random weights: a decoder step whose input is mostly
-    its token's embedding repeats that token (the tied head's argmax), so the position signal is made strong."""
-    with torch.no_grad():
-        if model.config.model_type == "t5":
-            # No absolute positions: both stacks' relative-position biases (std 1.5 / sqrt(d_model)) raised to
-            # std 5, and the shared embedding (std 1.5) cut 10-fold so that the residual stream is not the fed token.
-            for stack in (model.encoder, model.decoder):
-                bias = stack.block[0].layer[0].SelfAttention.relative_attention_bias.weight
-                bias.mul_(5.0 / (model.config.initializer_factor * model.config.d_model ** -0.5))
-            model.shared.weight.mul_(0.1)
-        elif model.config.model_type == "bart":
-            # The decoder's learned positions 30x its token embeddings (both std init_std) before its embedding norm.
-            model.model.decoder.embed_positions.weight.mul_(30.0)
-
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

@@ -188,7 +188,7 @@ def test_restart_from_returned_tuples_holds_the_first_cache_beside_the_growing_o
 
 
 def test_the_initialisation_changes_no_byte(toy):
-    # kvlab.models.RANDOM_INIT_STD makes tokens vary; transformers' default std must give the same peaks.
+    # kvlab.presets.RANDOM_INIT_STD makes tokens vary; transformers' default std must give the same peaks.
     default_init = build_model("toy", "initializer_range=0.02")
     for cache, loop, strategy in (("tuple", "v4.40", "greedy"), ("dynamic", "v4.42", "beam")):
         point = dict(cache=cache, loop=loop, strategy=strategy, batch=2, prompt=16, new=16, timing=False)

@@ -27,7 +27,7 @@ RELEASES = {
     "4.42.4": (ROOT / ".legacy-tf-4.42", ("transformers==4.42.4", "tokenizers==0.19.1", "huggingface-hub==0.23.4",
                                           "numpy==1.26.4", "safetensors==0.4.3")),
 }
-# The config values that shape the memory and the weights (initializer_range: kvlab.models.RANDOM_INIT_STD);
+# The config values that shape the memory and the weights (initializer_range: kvlab.presets.RANDOM_INIT_STD);
 # plain values, so any release's config class accepts them.
 CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
                "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "sliding_window",
