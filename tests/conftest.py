@@ -58,3 +58,13 @@ def sliding_toy(sliding_config):
 @pytest.fixture(scope="session")
 def sliding_toy_bf16(sliding_config):
     return build_model(sliding_config, dtype="bfloat16")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: memory does not depend on it, and two threads spinning against other
+    processes make bf16 crawl."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -168,15 +168,20 @@ def test_crop_refuses_a_positive_count_as_dynamic_layer_crop(design):
     assert_same(ours, theirs)  # nothing removed
 
 
-@pytest.mark.parametrize("design", DESIGNS)
-def test_batch_methods_offload_and_reset_act_as_dynamic_cache(design):
-    ours, theirs = filled(design, num_layers=2, steps=4)
+def repeat_then_select(ours, theirs):
+    """Both caches through batch_repeat_interleave(2), then batch_select_indices: equal after each."""
     for cache in (ours, theirs):
         cache.batch_repeat_interleave(2)
     assert_same(ours, theirs)
     for cache in (ours, theirs):
         cache.batch_select_indices(torch.tensor([7, 0, 3]))
     assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("design", DESIGNS)
+def test_batch_methods_offload_and_reset_act_as_dynamic_cache(design):
+    ours, theirs = filled(design, num_layers=2, steps=4)
+    repeat_then_select(ours, theirs)
     for mine, reference in zip(ours.layers, theirs.layers):
         for layer in (mine, reference):
             layer.offload()
@@ -324,12 +329,7 @@ def test_window_layer_hands_attention_what_the_sliding_layer_does(block_tokens, 
 
 def test_window_layer_batch_methods_and_reset_act_as_the_sliding_layer():
     ours, theirs = slid(3, prefill=9, steps=4)
-    for cache in (ours, theirs):
-        cache.batch_repeat_interleave(2)
-    assert_same(ours, theirs)
-    for cache in (ours, theirs):
-        cache.batch_select_indices(torch.tensor([7, 0, 3]))
-    assert_same(ours, theirs)
+    repeat_then_select(ours, theirs)
     beam_idx = torch.tensor([2, 2, 0])
     for cache in (ours, theirs):
         cache.reorder_cache(beam_idx)

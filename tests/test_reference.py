@@ -44,13 +44,7 @@ def release_of(pair: str) -> str:
     return INSTALLED if pair.startswith("5.x") else pair
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Memory does not depend on it; two threads spinning against other processes make bf16 crawl.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 @functools.lru_cache(maxsize=None)

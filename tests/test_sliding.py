@@ -28,12 +28,7 @@ QUICK_NEW = 20  # make test's points: the prompt is past the window already, so 
 TOLERANCE = 0.01  # the claim: theory within 1 % of the meter, kvlab within 1 % of the real 5.x
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_presets_keep_the_public_layouts_and_their_twins_scale_the_widths():
