@@ -47,6 +47,8 @@ def windows(config) -> list:
     the config (`layer_types`, else `sliding_window`)."""
     from transformers.cache_utils import get_layer_types_and_kwargs
     types, options = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    if isinstance(options, dict):  # older 5.x (5.17): one kwargs dict for every layer, not a list per layer
+        options = [options] * len(types)
     return [kw.get("sliding_window") if "sliding" in kind else None for kind, kw in zip(types, options)]
 
 
