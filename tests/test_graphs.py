@@ -139,7 +139,7 @@ def test_profiler_meter_on_known_allocations():
 TWIN = dict(preset="llama2-7b-twin", batch=2, prompt=24, new=24, timing=False)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def twin_records():
     return {variant: run_point(runtime=variant[0], cache=variant[1], **TWIN) for variant in VARIANTS}
 

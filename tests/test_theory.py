@@ -19,7 +19,7 @@ GREEDY_TOLERANCE = 0.001  # the README's claim: theory within 0.1 % of the meter
 TOLERANCE = 0.005  # ... and within 0.5 % in bf16 and with beam search
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def cache_dominated(toy):
     return {design: run_point(toy, cache=design[0], loop=design[1], **CACHE_DOMINATED) for design in DESIGNS}
 

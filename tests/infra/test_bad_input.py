@@ -125,7 +125,7 @@ print(json.dumps(results))
 VERBS = ("measure", "predict", "compare", "sweep", "stream")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def probed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bad-input")
     write_inputs(tmp)

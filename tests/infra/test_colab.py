@@ -34,7 +34,7 @@ def run(*command, cwd=None):
                           cwd=cwd or Path(command[0]).parent)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def colab(tmp_path_factory):
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("needs git and a git checkout (the setup cell clones the repository)")

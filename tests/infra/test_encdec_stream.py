@@ -13,7 +13,7 @@ from kvlab.encdec.stream import AllocationCounter
 T5 = "num_layers=2,num_decoder_layers=2,d_model=64,d_ff=128,num_heads=4,d_kv=16,vocab_size=500"
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def t5():
     return models.build_model("t5-small", T5)
 
@@ -35,7 +35,7 @@ def test_allocation_counter_matches_the_profiler(t5):
     assert counter.peak_bytes == profiled.peak_bytes
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def records():
     settings = request_stream.check(dict(request_stream.DEFAULTS, preset="t5-small", overrides=T5, device="cpu",
                                          new_tokens=6, count=5, batches=[1, 2, 3], encoder_lengths=[8, 16, 24],
