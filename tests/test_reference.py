@@ -40,6 +40,11 @@ QUICK = [POINTS[0], POINTS[-1]]
 SLOW_PAIRS = ("5.x-static",)
 
 
+# Each release's tests on one pytest-xdist worker (--dist loadgroup), where its subprocess (real_records) runs once.
+PAIR_PARAMS = [pytest.param(p, marks=[pytest.mark.xdist_group(f"release-{p}")] + [pytest.mark.slow] * (p in SLOW_PAIRS))
+               for p in PAIRS]
+
+
 def release_of(pair: str) -> str:
     return INSTALLED if pair.startswith("5.x") else pair
 
@@ -108,7 +113,7 @@ def test_bad_input_fails_before_any_subprocess():
         measure_references(INSTALLED, [dict(preset="nope")])
 
 
-@pytest.mark.parametrize("pair", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_PAIRS else p for p in PAIRS])
+@pytest.mark.parametrize("pair", PAIR_PARAMS)
 def test_each_release_runs_and_reports_its_version(pair):
     records = real_records(pair)
     expected = transformers.__version__ if release_of(pair) == INSTALLED else pair
@@ -118,7 +123,7 @@ def test_each_release_runs_and_reports_its_version(pair):
         assert len(record["tokens"]) == SIZE["batch"] and {len(row) for row in record["tokens"]} == {SIZE["new"]}
 
 
-@pytest.mark.parametrize("pair", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_PAIRS else p for p in PAIRS])
+@pytest.mark.parametrize("pair", PAIR_PARAMS)
 def test_every_release_builds_kvlabs_weights(pair):
     """Same seed, same init order: each release's from_config gives build_model's weights, bit for bit."""
     for (dtype, config, _), record in real_records(pair).items():
@@ -127,7 +132,7 @@ def test_every_release_builds_kvlabs_weights(pair):
 
 @pytest.mark.parametrize("point", [p if p in QUICK else pytest.param(p, marks=pytest.mark.slow) for p in POINTS],
                          ids=lambda p: f"{p['dtype']}-{p['config']}-{p['strategy']}")
-@pytest.mark.parametrize("pair", [pytest.param(p, marks=pytest.mark.slow) if p in SLOW_PAIRS else p for p in PAIRS])
+@pytest.mark.parametrize("pair", PAIR_PARAMS)
 def test_kvlab_loop_matches_the_release(pair, point):
     """The issue's bar: kvlab's loop peaks within 1 % of the release's own generate(), and decodes its tokens."""
     real = real_records(pair, point in QUICK)[(point["dtype"], point["config"], point["strategy"])]
