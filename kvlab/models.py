@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import socket
+import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -250,6 +251,12 @@ def load_config(source: str, overrides=None):
         config = _local_config(source)
     else:
         return build_config(source, overrides)  # names the presets
+    text = config.get_text_config(decoder=True)
+    if text is not config and not config.is_encoder_decoder:
+        # An image-text checkpoint (Gemma-3's `gemma3`): the KV cache is its text decoder's, which is what is built.
+        print(f"{source}: {config.model_type} is an image-text model; kvlab builds its text decoder "
+              f"({text.model_type}), without the vision tower", file=sys.stderr)
+        config = text
     return _finish_config(type(config), config.to_dict(), overrides, source)
 
 

@@ -6,6 +6,8 @@ The twins keep their real windows (Mistral 4096, Gemma-3 1024, GPT-OSS 128); a M
 what a sliding layer holds depends on the prompt and the generation against the window, not on its size.
 """
 
+import json
+
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache
@@ -162,3 +164,21 @@ def test_theory_of_prealloc_on_a_sliding_twin_as_its_window_moves():
 @pytest.mark.parametrize("twin", ["mistral", "gemma3"])
 def test_theory_of_prealloc_on_the_sliding_twins(twin, prompt, dtype, strategy):
     _prealloc_point(twin, prompt, dtype, strategy, NEW)
+
+
+def test_a_gemma3_image_text_config_json_builds_its_text_decoder(tmp_path, capsys):
+    """A config.json as Gemma-3's checkpoints publish it: model_type gemma3, the text decoder under text_config."""
+    from transformers import Gemma3Config
+    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=32, vocab_size=500, sliding_window=16, query_pre_attn_scalar=1, initializer_range=0.1)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(Gemma3Config(text_config=text).to_dict()))
+    model = build_model(str(path))
+    assert type(model).__name__ == "Gemma3ForCausalLM" and model.config.sliding_window == 16
+    assert "gemma3 is an image-text model; kvlab builds its text decoder (gemma3_text)" in capsys.readouterr().err
+    ids = torch.randint(0, 500, (2, 40), generator=torch.Generator().manual_seed(0))
+    ours = generate(model, ids, 12, cache="dynamic", loop="v5").tokens
+    assert_varied(ours[:, 40:])
+    assert ours.tolist() == model.generate(ids, max_new_tokens=12, do_sample=False).tolist()
+    record = run_point(preset=str(path), cache="dynamic", loop="v5", batch=1, prompt=40, new=8, timing=False)
+    assert abs(record["prediction_error"]) <= TOLERANCE
