@@ -166,8 +166,8 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
 
     for index, (call, fed, before, after) in enumerate(_steps(prompt, new, restart_new)):
         first_of_call = index == 0 or (call == 1 and before == held_after_first)
-        persistent = {
-            "tokens, attention mask and position ids (int64)": 3 * s.rows * after * INT64,
+        persistent = {  # the prompt's ids exist before the first forward: only its mask and positions are new
+            "tokens, attention mask and position ids (int64)": (3 - (index == 0)) * s.rows * after * INT64,
             "previous step's logits (v4.40)": prev_logits,
         }
         # The loop's locals from the previous step live through the forward, until they are rebound.
@@ -200,8 +200,8 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
             transient = buffers.update(fed, before)
             held_after = 2 * s.t * sum(buffers.storage)
             seen = min(before, window - 1) + fed if window else after  # a sliding layer reads its kept window + fed
-        if window and seen >= window:  # SDPA's is_causal shortcut is off: a bool mask, alive for the whole forward
-            persistent["sliding-window attention mask (bool)"] = s.rows * fed * seen
+        # SDPA's is_causal shortcut is off: a bool mask, alive until the decoder stack returns (before the lm_head).
+        mask = {"sliding-window attention mask (bool)": s.rows * fed * seen} if window and seen >= window else {}
         # Alive in the last layer: the embeddings, the residual stream, the normed input, q, k, v and the
         # rotary cos/sin (one row per sequence, from the position ids). The model keeps `inputs_embeds`
         # referenced for its whole forward.
@@ -211,7 +211,7 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
 
         # Phase: the last layer's cache update (its copies die before attention starts) ...
         base = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
-                "activations of one layer": layer_acts}
+                "activations of one layer": layer_acts, **mask}
         update, attention = dict(base), dict(base)
         if cache == "dynamic" and before > 0 and not (call == 1 and first_of_call and restart_from == "tuples"):
             update["old values tensor during its cat"] = s.t * old_last  # (else the caller's tuple holds it)
@@ -234,7 +234,7 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
         phases["mlp"] = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
                          "gate, up and their product": 3 * s.rows * fed * s.intermediate * s.e,
                          "embeddings, residual stream and normed input": hidden_states + s.rows * fed * s.hidden * s.e,
-                         "rotary cos and sin": rotary}
+                         "rotary cos and sin": rotary, **mask}
         # Phase: the lm_head; <= 4.42 also upcast every fed position's logits to fp32 in the forward.
         kept = 1 if release.major == 5 else fed
         phases["lm_head"] = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
