@@ -81,9 +81,14 @@ def test_theory_of_the_sliding_twins_within_one_percent(twin, strategy):
     _theory_point(twin, "bfloat16", strategy, new=QUICK_NEW)
 
 
+# make test-all's points: each dtype and each strategy once per twin (their terms are independent in theory: fp32
+# copies and upcasts follow the dtype, reorders and scores the strategy); make test adds Gemma-3 bf16 greedy and
+# Mistral bf16 beam.
+DTYPE_STRATEGY = [("float32", "greedy"), ("bfloat16", "beam")]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+@pytest.mark.parametrize("dtype, strategy", DTYPE_STRATEGY)
 @pytest.mark.parametrize("twin", list(TWINS))
 def test_theory_of_each_twin_every_dtype_and_strategy(twin, dtype, strategy):
     _theory_point(twin, dtype, strategy)
@@ -157,8 +162,7 @@ def test_theory_of_prealloc_on_a_sliding_twin_as_its_window_moves():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+@pytest.mark.parametrize("dtype, strategy", DTYPE_STRATEGY)
 @pytest.mark.parametrize("prompt", WINDOW_PROMPTS)
 @pytest.mark.parametrize("twin", ["mistral", "gemma3"])
 def test_theory_of_prealloc_on_the_sliding_twins(twin, prompt, dtype, strategy):

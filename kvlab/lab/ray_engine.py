@@ -34,7 +34,13 @@ def init_ray(address: str | None = None, **options) -> None:
     loopback = address is None or address.split("://")[-1].rsplit(":", 1)[0] in ("127.0.0.1", "localhost")
     clusters, constants.ENABLE_RAY_CLUSTER = constants.ENABLE_RAY_CLUSTER, constants.ENABLE_RAY_CLUSTER and not loopback
     try:
-        ray.init(address, logging_level=logging.ERROR, log_to_driver=False, **options)
+        try:
+            ray.init(address, logging_level=logging.ERROR, log_to_driver=False, **options)
+        except Exception as error:  # Ray waits a fixed 30 s for its new node; a loaded machine may need longer: once more
+            if address is not None or "timed out during startup" not in str(error):
+                raise
+            ray.shutdown()
+            ray.init(address, logging_level=logging.ERROR, log_to_driver=False, **options)
     finally:
         constants.ENABLE_RAY_CLUSTER = clusters
 
