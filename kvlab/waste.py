@@ -33,7 +33,8 @@ import torch
 from .compat import cache_argument
 from .explain import explain, generate_call
 from .meter import MemoryMeter, weight_bytes
-from .models import build_model, element_size, head_dim
+from .models import build_model, kv_bytes_per_token
+from .theory import windows
 
 OUT = Path(__file__).resolve().parent.parent / "data" / "today"
 COMMON = dict(batch=1, dtype="bfloat16", seed=0)
@@ -67,12 +68,9 @@ COLUMNS = ["point", "preset", "overrides", "generate", "batch", "prompt", "new",
 def final_cache_bytes(config, batch: int, prompt: int, new: int, dtype: str) -> int:
     """The cache generate() ends with, from the shapes: prompt + new - 1 tokens per full layer (the last token is
     never fed back), at most window - 1 per sliding layer (what a later query can see)."""
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * \
-        config.num_hidden_layers
     tokens = prompt + new - 1
-    per_token = 2 * batch * config.num_key_value_heads * head_dim(config) * element_size(dtype)
-    return sum(per_token * (min(tokens, window - 1) if kind == "sliding_attention" else tokens) for kind in types)
+    per_layer = kv_bytes_per_token(config, batch, dtype) // config.num_hidden_layers
+    return sum(per_layer * (tokens if window is None else min(tokens, window - 1)) for window in windows(config))
 
 
 def metered(run, model, cache_sizes: list | None = None) -> tuple[int, list[tuple[int, int]]]:
