@@ -40,7 +40,7 @@ $(OLDEST): $(READY) scripts/oldest-transformers.sh
 
 # The token, memory and compat tests again, with 5.17 shadowing the pinned transformers.
 test-oldest: $(OLDEST)
-	PYTHON=$(BIN)/python scripts/oldest-transformers.sh test -q -n $(WORKERS) --dist loadgroup
+	PYTHON=$(BIN)/python scripts/oldest-transformers.sh test -q -n $(WORKERS) --dist loadgroup -m "not slow"
 
 compare: $(READY)
 	$(BIN)/python -m kvlab compare
@@ -55,7 +55,7 @@ test: $(READY) $(LEGACY)
 
 test-all: $(READY) $(LEGACY) $(OLDEST)
 	$(PYTEST) tests
-	PYTHON=$(BIN)/python scripts/oldest-transformers.sh test -q -n $(WORKERS) --dist loadgroup
+	PYTHON=$(BIN)/python scripts/oldest-transformers.sh test -q -n $(WORKERS) --dist loadgroup -m "not slow"
 
 # JupyterLab on the notebooks, which name the kvlab kernel registered above.
 lab: $(READY)

@@ -16,7 +16,7 @@ import pytest
 from kvlab.lab.store import COLUMNS, load_results
 
 ROOT = Path(__file__).resolve().parents[2]
-WRITERS, POINTS = 4, 25
+WRITERS, POINTS = 4, 12
 
 # One writer: for each of its points a failure row, then the ok row that replaces it (a whole-file rewrite),
 # every fifth row with a column the file does not have yet (another rewrite); then one provenance run.
