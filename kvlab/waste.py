@@ -237,13 +237,13 @@ def main(names=None) -> None:
     for name in names:
         rows = pd.DataFrame(measure_point(name), columns=COLUMNS)
         kept = pd.read_csv(path, keep_default_na=False) if path.exists() else pd.DataFrame(columns=COLUMNS)
-        pd.concat([kept[kept["point"] != name], rows]).to_csv(path, index=False)
+        table = pd.concat([kept[kept["point"] != name], rows])
+        order = table["point"].map(list(POINTS).index)  # the points in POINTS' order, whichever ran last
+        table.iloc[order.argsort(kind="stable")].to_csv(path, index=False)
         print(rows[["point", "kind", "term", "bytes", "share_of_peak"]].to_string(index=False), flush=True)
     append_run(OUT, "python -m kvlab.waste " + " ".join(names), started, "cpu", points=names,
                what="kvlab.waste: transformers' own generate() under the meter and kvlab.explain, and each fix "
                     "under the meter; live-storage counter, one thread", results_file="waste.csv")
-
-
 
 
 def cache_storage_by_step(model, ids: torch.Tensor, new: int, **options) -> list[int]:
