@@ -105,9 +105,9 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
           f"batch {first['batch']}, prompt {first['prompt']}, {first['new']} new tokens, greedy; "
           f"final KV cache {first['kv_final_bytes'] / MIB:.1f} MiB")
     if device == "cpu" and sizes.get("batch") is None and sizes.get("new") is None:
-        print(f"(batch {first['batch']} and {first['new']} new tokens, not the H200 points' 8 and 500, to stay within a few "
-              "minutes: overhead/KV is flat in batch (cpu-batch, 1 to 8); fixed costs, such as 4.42's prompt logits, weigh more "
-              "against a shorter cache (cpu-new-tokens); --batch 8 --new 500 runs that shape)")
+        print(f"(batch {first['batch']} and {first['new']} new tokens, not the H200 points' 8 and 500, to stay within "
+              "a few minutes: overhead/KV is flat in batch (cpu-batch, 1 to 8); fixed costs, such as 4.42's prompt "
+              "logits, weigh more against a shorter cache (cpu-new-tokens); --batch 8 --new 500 runs that shape)")
     print(table.to_string(index=False))
     baseline = longest[(longest["cache"] == "tuple") & (longest["loop"] == "v4.40")]["overhead_bytes"]
     best = longest[(longest["loop"] == "v5") & (longest["cache"] != "tuple")]["overhead_bytes"].min()
