@@ -23,7 +23,7 @@ import nbformat
 import pytest
 
 from kvlab.notebook.colab import QUIET_KERNEL, SETUP_TAG
-from kvlab.notebook.tools import declared_parameters
+from kvlab.notebook.tools import declared_parameters, is_setup_cell
 
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
@@ -35,12 +35,12 @@ RUN_WHOLE = {"02_tuple_vs_dynamic"}  # the notebook that installs the real relea
 def setup_and_imports(nb):
     """`nb` cut to its setup cell and one cell with every import of its code cells (shell and magic lines aside)."""
     imports = []
-    for cell in nb.cells[1:]:
-        if cell.cell_type == "code" and SETUP_TAG not in cell.metadata.get("tags", []):
+    for cell in nb.cells:
+        if cell.cell_type == "code" and not is_setup_cell(cell):
             source = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("!", "%")))
             imports += [ast.unparse(node) for node in ast.walk(ast.parse(source))
                         if isinstance(node, (ast.Import, ast.ImportFrom))]
-    setup = next(cell for cell in nb.cells if SETUP_TAG in cell.metadata.get("tags", []))
+    setup = next(cell for cell in nb.cells if is_setup_cell(cell))
     check = "import os\nassert os.path.isdir('../data'), os.getcwd()"
     nb.cells = [setup, nbformat.v4.new_code_cell("\n".join(dict.fromkeys(imports))), nbformat.v4.new_code_cell(check)]
     return nb
