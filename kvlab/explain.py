@@ -245,7 +245,8 @@ def explain_point(preset: str = "toy", overrides=None, batch: int = 2, prompt: i
     from .caches import CACHES
     from .lab.reference import CONFIG_KEYS, RELEASES, ROOT, install_reference
     from .loops import LOOPS
-    from .models import build_model, load_config, parse_dtype
+    from .lab.configs import load_config
+    from .models import build_model, parse_dtype
 
     for kind, value, choices in (("engine", engine, ("kvlab", "installed", *RELEASES)), ("cache", cache, CACHES),
                                  ("loop", loop, LOOPS)):

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvlab import encdec, models
+from kvlab.lab.configs import build_config
 from kvlab.models import assert_varied
 from kvlab.encdec.reusable_cache import (ReusableStaticCache, longer_cross_attention_cache,
                                   static_cache_at_smaller_batch)
@@ -31,17 +32,17 @@ def model(request):
 
 
 def test_presets_have_the_public_sizes():
-    t5 = models.build_config("t5-small")
+    t5 = build_config("t5-small")
     assert (t5.d_model, t5.num_layers, t5.num_heads, t5.d_kv, t5.d_ff, t5.vocab_size) == (512, 6, 8, 64, 2048, 32128)
-    whisper = models.build_config("whisper-tiny")
+    whisper = build_config("whisper-tiny")
     assert (whisper.d_model, whisper.decoder_layers, whisper.decoder_attention_heads, whisper.max_source_positions,
             whisper.vocab_size) == (384, 4, 6, 1500, 51865)
-    bart = models.build_config("bart-base")
+    bart = build_config("bart-base")
     assert (bart.d_model, bart.decoder_layers, bart.decoder_attention_heads, bart.decoder_ffn_dim) == (768, 6, 12, 3072)
     with pytest.raises(ValueError, match=r"t5-small, whisper-tiny, bart-base \(encoder-decoders\)"):
-        models.build_config("t5-large")
+        build_config("t5-large")
     with pytest.raises(ValueError, match="not in the t5-small config"):
-        models.build_config("t5-small", "hidden_size=8")
+        build_config("t5-small", "hidden_size=8")
 
 
 def reference(model, request, **options):
@@ -141,7 +142,7 @@ def test_reused_cache_refuses_what_would_be_wrong():
                                       (2, 12, NEW + 1, f"new tokens {NEW + 1} exceeds this cache's maximum of {NEW}")):
         with pytest.raises(ValueError, match=limit):
             reused.for_request(batch, torch.zeros(batch, length, hidden.shape[2]), None, new)
-    whisper = models.build_config("whisper-tiny", SMALL["whisper-tiny"])
+    whisper = build_config("whisper-tiny", SMALL["whisper-tiny"])
     with pytest.raises(ValueError, match="Whisper's decoder passes no encoder mask"):
         ReusableStaticCache(whisper, 4, NEW, 48, shapes="max")
 

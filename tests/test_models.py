@@ -5,7 +5,9 @@ import torch
 from transformers import (BartForConditionalGeneration, LlamaForCausalLM, T5ForConditionalGeneration,
                           WhisperForConditionalGeneration)
 
-from kvlab.models import ENCODER_DECODERS, build_config, build_model, is_hub_id, load_config, vary_decoder
+from kvlab.lab.configs import build_config, is_hub_id, load_config
+from kvlab.models import build_model
+from kvlab.presets import ENCODER_DECODERS, vary_decoder
 
 SMALL = {
     "t5-small": ("num_layers=1,num_decoder_layers=1,d_model=32,d_ff=64,num_heads=2,d_kv=16,vocab_size=100",

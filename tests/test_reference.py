@@ -14,7 +14,8 @@ from kvlab.lab import reference
 from kvlab.loops import generate
 from kvlab import theory
 from kvlab.lab.point import REFERENCES, normalize, run_point
-from kvlab.models import assert_varied, build_config, build_model
+from kvlab.lab.configs import build_config
+from kvlab.models import assert_varied, build_model
 from kvlab.lab.reference import INSTALLED, ReferenceInstallError, install_reference, measure_references, weights_digest
 
 # Small enough for a 2-core CPU (one subprocess per release runs all of its points), long enough that

@@ -18,7 +18,8 @@ from kvlab.lab.point import run_point
 from kvlab.lab.reference import INSTALLED, measure_references
 from kvlab.caches import make_cache
 from kvlab.loops import generate
-from kvlab.models import assert_varied, build_config, build_model, kv_bytes_per_token
+from kvlab.lab.configs import build_config
+from kvlab.models import assert_varied, build_model, kv_bytes_per_token
 
 WINDOW = 64
 # (preset, overrides, prompt): every prompt is longer than the window; Qwen3-8B is all full attention.

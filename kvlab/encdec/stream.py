@@ -27,7 +27,9 @@ from ..lab.shipped import read_yaml, shipped_or_path
 from ..lab.store import append_run, prepare_folder, replace_rows
 from ..loops import check_choice
 from ..meter import LiveStorageCounter
-from ..models import ENCODER_DECODERS, check_device, element_size, load_config, parse_dtype, resolve_device
+from ..lab.configs import load_config
+from ..models import check_device, element_size, parse_dtype, resolve_device
+from ..presets import ENCODER_DECODERS
 from .reusable_cache import ReusableStaticCache
 
 MODES = ("hf-static", "reused", "reused-max", "dynamic")

@@ -1,5 +1,6 @@
 """The experiment machinery around the lesson: one point schema, one store, one runner, two engines.
 
+    configs     a model's config from a preset, config.json or hub id, overrides checked
     point       one measured point: parameters in (validated in one place), one flat record out
     grid        sweep files and --grid items → points, with stable ids
     store       each point's row in records/, results.csv made from them (file-locked), resume, provenance

@@ -14,7 +14,7 @@ from pathlib import Path
 from ..caches import CACHES
 from ..explain import explain_point
 from ..loops import LOOPS, STRATEGIES
-from ..models import DECODERS
+from ..presets import DECODERS
 from .point import DEFAULTS, DESIGNS, KINDS
 from .reference import ReferenceInstallError
 
@@ -137,7 +137,7 @@ def cmd_stream(args) -> None:
 
 def _stream_arguments(parser: argparse.ArgumentParser) -> None:
     from ..encdec import stream
-    from ..models import ENCODER_DECODERS
+    from ..presets import ENCODER_DECODERS
     parser.description = stream.__doc__.split("\n\n")[0]
     file = "(default: the stream file's)"
     parser.add_argument("stream", help="stream YAML: a path or one of: "

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from .point import DEFAULTS, is_true, normalize
-from ..models import parse_value
+from .configs import parse_value
 from .shipped import read_yaml, shipped_or_path
 
 SWEEPS_DIR = Path(__file__).resolve().parent / "sweeps"

@@ -20,7 +20,8 @@ from .. import __version__, theory
 from ..caches import CACHES, KVCache, num_layers
 from ..loops import LOOPS, STRATEGIES, Sampling, check_choice, generate
 from ..meter import MemoryMeter
-from ..models import check_device, kv_bytes_per_token, load_config, parse_dtype, parse_overrides, resolve_device
+from ..models import check_device, kv_bytes_per_token, parse_dtype, resolve_device
+from .configs import load_config, parse_overrides
 
 # (cache, loop): the <= 4.41 baseline, each of the PR's two fixes alone (v4.42's loop on tuples, v4.40's
 # loop on one cache object), the PR as released, then today's loop with every design.

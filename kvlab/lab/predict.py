@@ -13,7 +13,8 @@ import torch
 
 from .. import theory
 from ..meter import weight_bytes
-from ..models import DECODERS, instantiate, is_hub_id, load_config, parse_dtype
+from ..models import instantiate, parse_dtype
+from .configs import DECODERS, is_hub_id, load_config
 from .point import beams
 
 GIB = 2**30

@@ -100,7 +100,8 @@ def measure_reference(version: str = "4.40.1", **point) -> dict:
 def measure_references(version: str, points: list[dict]) -> list[dict]:
     """Several points (dicts of `measure_reference`'s keywords) in one subprocess: the release is imported
     once, and each point still builds its own model and prompt."""
-    from ..models import attention_of, build_config, kv_bytes_per_token, parse_dtype, parse_overrides, resolve_device
+    from ..models import attention_of, kv_bytes_per_token, parse_dtype, resolve_device
+    from .configs import build_config, parse_overrides
     from .point import DEFAULTS  # here, not above: the worker's process imports this module under old releases
     defaults = dict({key: DEFAULTS[key] for key in REFERENCE_KEYS}, cache_implementation=None)
     specs = []

@@ -11,7 +11,7 @@ from matplotlib.ticker import MaxNLocator
 
 from .. import theory
 from ..lab import point as experiment
-from ..models import build_config
+from ..lab.configs import build_config
 from .helpers import MIB
 
 SIZES = ("new", "batch", "prompt")

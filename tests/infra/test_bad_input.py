@@ -74,7 +74,7 @@ def cases(tmp: Path) -> list[tuple[list[str], str]]:
 
 
 def write_inputs(tmp: Path) -> None:
-    from kvlab.models import build_config
+    from kvlab.lab.configs import build_config
     good = build_config("toy")
     (tmp / "good").mkdir()
     good.to_json_file(tmp / "good" / "config.json")

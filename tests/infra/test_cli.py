@@ -111,7 +111,7 @@ def test_measure_prints_a_short_table_in_mib(capsys):
 def test_every_verb_takes_the_presets_it_runs_and_names_the_verb_for_the_others():
     from kvlab.encdec import stream
     from kvlab.lab.point import normalize
-    from kvlab.models import DECODERS, ENCODER_DECODERS
+    from kvlab.presets import DECODERS, ENCODER_DECODERS
     for preset in DECODERS:  # measure, predict, compare and sweep normalize their points
         assert normalize(preset=preset, device="meta")["preset"] == preset
         with pytest.raises(ValueError, match=f"^{preset} is a decoder: stream serves encoder-decoder models .*kvlab measure`"):
