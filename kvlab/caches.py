@@ -1,25 +1,17 @@
 """The KV-cache designs, as transformers cache layers that the model's own forward updates.
 
-- tuple:    transformers <= 4.41 (`TupleCache`). The caller holds a tuple of (keys, values) per layer; each
-            forward wraps it in a fresh cache object (no copy), each layer `torch.cat`s into a new tensor,
-            and a new tuple is handed back. The caller holds the old tuple until the forward returns, so
-            both live at once.
-- dynamic:  PR #30536's final design and transformers' `DynamicLayer` today: ONE cache object for the
-            whole loop; `self.keys = cat(...)` drops the only reference to the old tensor, which is
-            freed at once. Still a full copy of the layer per step (the new tensor), just not kept.
-- list:     the first design of PR #30536: a list of chunks per layer; attention gets their
-            concatenation; every `chunk_limit` chunks the list is consolidated into one.
+- tuple:    transformers <= 4.41: the caller holds a tuple of (keys, values) per layer; each forward wraps it in a
+            fresh cache object, each layer `torch.cat`s into a new tensor, and a new tuple is handed back while
+            the caller still holds the old one: both live at once.
+- dynamic:  PR #30536 and transformers' `DynamicLayer`: ONE cache object for the loop; `self.keys = cat(...)`
+            drops the only reference to the old tensor, freed at once (still a full copy per step, not kept).
+- list:     PR #30536's first design: chunks per layer, joined for attention, consolidated every `chunk_limit`.
 - static:   transformers' own `StaticCache`, preallocated to `max_cache_len`.
-- prealloc: ours: a buffer per layer that grows in blocks of `block_tokens`; each step writes in
-            place and attention gets a view. No full-layer copy per step, no maximum length up front.
-            On a sliding-window layer, a window buffer of W - 1 + `block_tokens` slots (`WindowLayer`).
+- prealloc: ours: a buffer per layer that grows in blocks of `block_tokens`, written in place, read as a view;
+            on a sliding-window layer, a window buffer of W - 1 + `block_tokens` slots (`WindowLayer`).
 
-On a model with sliding-window layers (`sliding_window`, or `layer_types` naming "sliding_attention"),
-`dynamic` and `prealloc` give those layers their sliding form, as `generate()`'s default cache does.
-
-Our layers subclass transformers' `CacheLayerMixin` (as `StaticLayer` does) and keep its whole contract:
-`keys` and `values` are the layer's tensors, `crop` removes tokens as 5.x's `DynamicLayer.crop` does, and
-beam reordering, offloading and batch selection act on each stored tensor in turn.
+On a model with sliding-window layers `dynamic` and `prealloc` give those layers their sliding form, as
+`generate()`'s default cache does. Our layers keep the whole contract of transformers' `CacheLayerMixin`.
 """
 
 from __future__ import annotations
@@ -30,30 +22,24 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer, StaticCache
 
 from .compat import cache_argument
+from .meter import storage_bytes
 
 CACHES = ("tuple", "dynamic", "list", "static", "prealloc")
 
 
 class CatLayer(DynamicLayer):
-    """`dynamic` (and each layer of `tuple`): transformers' own `DynamicLayer` (cat and replace), kept as a
-    named class so the meter and the notebooks can point at it; everything else is DynamicLayer's."""
-
-    def tensors(self):
-        return [self.keys, self.values] if self.is_initialized else []
+    """`dynamic` (and each layer of `tuple`): transformers' own `DynamicLayer` (cat and replace), named."""
 
 
 class SlidingCatLayer(DynamicSlidingWindowLayer):
-    """`dynamic` on a sliding layer: transformers' own `DynamicSlidingWindowLayer`, named as `CatLayer` is. Each
-    step cats the window and the new token into a new tensor and keeps a view of its last W - 1 tokens; after a
-    prompt longer than the window, that view keeps the whole prompt's tensor alive until the first decode step."""
-
-    def tensors(self):
-        return [self.keys, self.values] if self.is_initialized else []
+    """`dynamic` on a sliding layer: transformers' own layer, named. Each step cats the window and the new token
+    and keeps a view of the last W - 1; after a prompt longer than the window, that view keeps the whole prompt's
+    tensor alive until the first decode step."""
 
 
 class _OwnLayer(CacheLayerMixin):
-    """What our two layers share. Each defines `_each(fn)` (replace every stored tensor by `fn` of it, one at
-    a time: the transient is one chunk or buffer, never the layer) and `_keep(length)`."""
+    """What our layers share. Each defines `_each(fn)` (replace every stored tensor by `fn` of it, one at a time:
+    the transient is one chunk or buffer, never the layer), `_keep(length)` and `tensors()`."""
 
     is_croppable = True
 
@@ -67,7 +53,7 @@ class _OwnLayer(CacheLayerMixin):
         return -1  # grows without a maximum
 
     def crop(self, tokens_to_remove: int) -> None:
-        """Remove `-tokens_to_remove` tokens, as transformers 5.x's `DynamicLayer.crop` (a positive count raises)."""
+        # As transformers 5.x's DynamicLayer.crop: minus the number of tokens to remove.
         if tokens_to_remove > 0:
             raise ValueError(f"crop takes minus the number of tokens to remove, got {tokens_to_remove}")
         if tokens_to_remove < 0 and self.get_seq_length() > 0:
@@ -91,9 +77,8 @@ class _OwnLayer(CacheLayerMixin):
 
 
 class _Joined:
-    """`ListLayer.keys` / `.values`: the chunks joined, built at each read and not kept (one chunk is returned
-    as is). Cost: a read of a layer of several chunks is one transient copy of it, alive while the reader
-    holds it, as the concatenation `update` hands attention; setting one makes it the only chunk."""
+    """`ListLayer.keys` / `.values`: the chunks joined at each read, not kept (a transient copy of the layer, as
+    the concatenation `update` hands attention); setting one makes it the only chunk."""
 
     def __init__(self, chunks: str):
         self.chunks = chunks
@@ -184,39 +169,38 @@ class PreallocLayer(_OwnLayer):
 
     def _keep(self, length: int) -> None:
         self.length = length
+        self._views()
+
+    def _views(self) -> None:
         if self.key_buffer is not None:
-            self.keys, self.values = self.key_buffer[:, :, :length], self.value_buffer[:, :, :length]
+            self.keys, self.values = self.key_buffer[:, :, :self.length], self.value_buffer[:, :, :self.length]
 
     def _each(self, fn) -> None:
         if self.key_buffer is not None:
             self.keys = self.values = None  # views of the old buffers would keep them alive
             self.key_buffer = fn(self.key_buffer)
             self.value_buffer = fn(self.value_buffer)
-            self._keep(self.length)
+            self._views()
 
     def tensors(self):
         return [t for t in (self.key_buffer, self.value_buffer) if t is not None]
 
 
-class WindowLayer(_OwnLayer):
-    """`prealloc` on a sliding layer of window W: the last W - 1 tokens (all that a later query sees, what
-    transformers' `DynamicSlidingWindowLayer` keeps), in order, in a buffer of W - 1 + `block_tokens` slots.
-    Each step writes in place and attention gets a view; when the buffer is full, the window moves to its
-    front: one copy of the window every `block_tokens` steps, where transformers' layer cats it every step.
-    A prompt longer than the buffer is handed to attention as it came and only its last W - 1 tokens are
-    copied in: nothing of prompt length is kept.
+class WindowLayer(PreallocLayer):
+    """`prealloc` on a sliding layer of window W: the last W - 1 tokens (all a later query sees, what transformers'
+    `DynamicSlidingWindowLayer` keeps), in order, in a buffer of W - 1 + `block_tokens` slots, written in place.
+    When the buffer is full the window moves to its front: one copy every `block_tokens` steps, where
+    transformers' layer cats every step. Of a prompt longer than the buffer only the last W - 1 tokens are kept.
 
-    Why not a ring of W slots (ours): attention would get the window rotated. 5.24's masks index the padding
-    mask by `kv_offset` + position in the keys (`masking_utils.padding_mask_function`), so a left-padded batch
-    with padding still in the window would mask the wrong keys (a left-padded test in test_cache_contract.py
-    pins the order: rotating what attention reads fails it, ours passes)."""
+    Why not a ring of W slots: attention would get the window rotated, and 5.24's masks index the padding mask by
+    position in the keys (`masking_utils.padding_mask_function`): a left-padded batch would mask the wrong keys
+    (a left-padded test in test_cache_contract.py pins the order)."""
 
     is_sliding = True
 
     def __init__(self, sliding_window: int, block_tokens: int = 32):
-        super().__init__()
-        self.sliding_window, self.block_tokens = sliding_window, block_tokens
-        self.key_buffer = self.value_buffer = None
+        super().__init__(block_tokens)
+        self.sliding_window = sliding_window
         self.start = self.end = 0  # buffer[start:end]: the kept tokens, oldest first
         self.cumulative_length = 0  # tokens seen, as transformers' layer counts them
 
@@ -271,29 +255,16 @@ class WindowLayer(_OwnLayer):
             raise RuntimeError("crop past the sliding window: the tokens before it are no longer kept")
         super().crop(tokens_to_remove)
 
-    def reset(self) -> None:
-        self._keep(0)  # the buffers stay, to be written again
-
     def _keep(self, length: int) -> None:  # only below the window (crop), where start is 0
         self.start, self.end = 0, length
         self.cumulative_length = length
         self._views()
 
-    def _each(self, fn) -> None:
-        if self.key_buffer is not None:
-            self.keys = self.values = None  # views of the old buffers would keep them alive
-            self.key_buffer = fn(self.key_buffer)
-            self.value_buffer = fn(self.value_buffer)
-            self._views()
-
-    def tensors(self):
-        return [t for t in (self.key_buffer, self.value_buffer) if t is not None]
-
 
 class KVCache(Cache):
     """A transformers `Cache` made of our layers, so the model's forward (and `generate()`) accept it."""
 
-    def __init__(self, layers):
+    def __init__(self, layers):  # positional, as the designs are written
         super().__init__(layers=layers)
 
     @classmethod
@@ -366,13 +337,8 @@ def cache_tensors(cache) -> list[torch.Tensor]:
     """Every tensor a cache (object, or tuple of pairs) holds, for labelling and sizing."""
     if isinstance(cache, (tuple, list)):
         return [tensor for layer in cache for tensor in layer]
-    tensors = []
-    for layer in cache.layers:
-        if hasattr(layer, "tensors"):
-            tensors += layer.tensors()
-        elif layer.is_initialized:  # transformers' own layers (static)
-            tensors += [layer.keys, layer.values]
-    return tensors
+    return [tensor for layer in cache.layers for tensor in (
+        layer.tensors() if hasattr(layer, "tensors") else [layer.keys, layer.values] if layer.is_initialized else [])]
 
 
 def cache_length(cache) -> int:
@@ -380,11 +346,5 @@ def cache_length(cache) -> int:
 
 
 def cache_bytes(cache) -> int:
-    """Bytes the cache holds (its storages, each once: static and prealloc count their capacity)."""
-    seen, total = set(), 0
-    for tensor in cache_tensors(cache):
-        storage = tensor.untyped_storage()
-        if storage._cdata not in seen:
-            seen.add(storage._cdata)
-            total += storage.nbytes()
-    return total
+    """Bytes the cache holds (static and prealloc count their capacity)."""
+    return storage_bytes(cache_tensors(cache))

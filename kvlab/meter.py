@@ -1,17 +1,13 @@
 """One memory meter for every device.
 
-CUDA: the caching allocator's own counters (peak allocated and peak reserved above what was allocated
-when the meter started). CPU and meta have no allocator counter, so we count the bytes of live tensor
-storages at operator granularity: a TorchDispatchMode sees every aten op's outputs, registers each new
-storage and notices through a weakref finalizer when it dies. (PyTorch's
-`torch.distributed._tools.mem_tracker` works this way but is private and documented as approximate.)
-The counter is exact for what it sees: on decodes of every cache design it gives the same peak, to the
-byte, as PyTorch's profiler (`kvlab.profiler`, c10's allocator events). What it cannot see is listed in
-`LiveStorageCounter` and pinned, counter against profiler, in tests/test_profiler.py.
+CUDA: the caching allocator's own counters. CPU and meta have no allocator counter, so we count the bytes of
+live tensor storages at operator granularity: a TorchDispatchMode sees every aten op's outputs, registers each
+new storage and notices through a weakref finalizer when it dies (torch's private, approximate
+`torch.distributed._tools.mem_tracker` works this way). On decodes of every design it gives the same peak, to
+the byte, as PyTorch's profiler (`kvlab.profiler`); its blind spots are listed in `LiveStorageCounter`.
 
-Both give the peak, a per-decoding-step timeline (live bytes at each step's end and the peak inside
-it) and what was live at the peak, split into weights / kv / logits / other. Labels come from the
-caller: `meter.label(tensors, "kv")` names storages; the split is resolved when asked for.
+Both give the peak, a per-step timeline and what was live at the peak, split into weights / kv / logits /
+other by the caller's labels (`meter.label(tensors, "kv")`).
 """
 
 from __future__ import annotations
@@ -39,21 +35,16 @@ LIFT_FRESH = torch.ops.aten.lift_fresh.default
 class LiveStorageCounter(TorchDispatchMode):
     """Counts the bytes of tensor storages created while it is active and still alive.
 
-    An aten op's output either aliases one of its inputs (views, in-place and out= ops) or is a
-    fresh allocation; only the latter is counted, so tensors that existed before (weights) are not.
-    `torch.tensor(data)` / `torch.as_tensor(list)` build their storage outside dispatch and hand it
-    to `aten.lift_fresh`, so that op's input is counted as new.
-
-    Exact (byte for byte, in the order ops run) for storages that dispatched ops return on the
-    thread that entered it. Blind spots, each pinned by a test against PyTorch's profiler:
-    - allocations inside one kernel that no output keeps: SDPA's workspace, dtype casts and copies
-      inside a kernel, and the 0-dim tensors the argument parser wraps Python scalars in (`x * 2.0`);
-      they are transient, so they matter only when the peak falls inside that kernel;
-    - storages built without an op: `torch.load`, `torch.UntypedStorage(n)` (with `set_`);
+    An op's output either aliases an input (views, in-place and out= ops) or is a fresh allocation; only the
+    latter is counted. `torch.tensor(data)` builds its storage outside dispatch and hands it to
+    `aten.lift_fresh`, whose input is therefore counted as new. Blind spots, each pinned by a test against
+    PyTorch's profiler:
+    - allocations inside one kernel that no output keeps (SDPA's workspace, casts inside a kernel, the 0-dim
+      tensors wrapping Python scalars): transient, they matter only when the peak falls inside that kernel;
+    - storages built without an op: `torch.load`, `torch.UntypedStorage(n)`;
     - tensors made in another Python thread (a dispatch mode is thread-local; the profiler misses them too);
-    - memory that c10 did not allocate: `torch.from_numpy`, `torch.frombuffer` (neither meter counts it);
-    - storages that existed before and are freed while it runs are not subtracted: the count is of
-      bytes allocated while it is active.
+    - memory c10 did not allocate: `torch.from_numpy`, `torch.frombuffer` (neither meter counts it);
+    - storages from before that are freed while it runs are not subtracted.
     """
 
     def __init__(self):
@@ -120,12 +111,10 @@ class StepMemory:
 class MemoryReport:
     """What one `MemoryMeter` run measured; the same definitions on every device.
 
-    baseline_bytes: the model's weights (parameters and buffers, each storage once; 0 without a model).
-        Not "everything live at the start": the CPU has no counter of that, so CUDA does not use it either.
-    overhead_bytes = peak_bytes - baseline_bytes: the highest number of bytes allocated inside the
-        `with` block and not yet freed. Whatever the process held at entry (the prompt, an earlier
-        cache, other models) is in neither number. One difference remains: on CUDA the allocator's
-        total also drops when a tensor from before the block is freed inside it; the counter never sees it.
+    baseline_bytes: the model's weights (0 without a model), not "everything live at the start" (the CPU has no
+        counter of that). overhead_bytes = peak - baseline: the most bytes allocated inside the `with` block and
+        not yet freed; what the process held at entry is in neither. On CUDA the allocator's total also drops
+        when a tensor from before the block is freed inside it; the counter never sees that.
     """
 
     device: str
@@ -143,12 +132,8 @@ class MemoryReport:
 
 
 class MemoryMeter:
-    """Measure one run: `with MemoryMeter(device, model) as meter: ...; meter.step() ...`.
-
-    On CUDA the peak comes from the allocator; set `track_storages=True` to also count live
-    storages there (slower: Python runs at every op) for the split at the peak and a cross-check.
-    The baseline is the model's weights on every device; see `MemoryReport`.
-    """
+    """`with MemoryMeter(device, model) as meter: ...; meter.step() ...`. On CUDA, `track_storages=True` also
+    counts live storages (slower) for the split at the peak and a cross-check."""
 
     def __init__(self, device="cpu", model: torch.nn.Module | None = None, track_storages: bool | None = None):
         self.device = torch.device(device)
@@ -156,9 +141,7 @@ class MemoryMeter:
         self.track_storages = (not self.on_cuda) if track_storages is None else track_storages
         if not self.on_cuda and not self.track_storages:
             raise ValueError("without CUDA the only meter is the live-storage counter")
-        self.weights = 0  # the baseline on every device (see MemoryReport)
-        if model is not None:
-            self.weights = weight_bytes(model)
+        self.weights = weight_bytes(model) if model is not None else 0  # the baseline on every device
         self.counter = LiveStorageCounter() if self.track_storages else None
         self.labels: dict[int, str] = {}  # storage serial -> category
         self.timeline: list[StepMemory] = []
@@ -166,9 +149,7 @@ class MemoryMeter:
         self.start_allocated = 0  # CUDA: bytes the allocator held at entry; overhead is counted above it
         self._report: MemoryReport | None = None
 
-    # -- lifecycle -------------------------------------------------------------------------
     def __enter__(self):
-        self.baseline = self.weights
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -185,7 +166,6 @@ class MemoryMeter:
         self._report = self._make_report()
         return False
 
-    # -- during the run ----------------------------------------------------------------------
     def live_bytes(self) -> int:
         """Bytes allocated since the meter started and still live (above the baseline)."""
         if self.on_cuda:
@@ -219,7 +199,6 @@ class MemoryMeter:
                 if serial is not None:
                     self.labels.setdefault(serial, category)
 
-    # -- results -----------------------------------------------------------------------------
     def report(self) -> MemoryReport:
         if self._report is None:
             raise RuntimeError("the meter's report is ready once its `with` block has ended")
@@ -232,21 +211,19 @@ class MemoryMeter:
             for serial, nbytes in self.counter.peak_storages:
                 at_peak[self.labels.get(serial, "other")] += nbytes
             storages_peak = self.counter.peak_bytes
-        if self.on_cuda:
-            peak = max(self.cuda_peak, torch.cuda.max_memory_allocated(self.device) - self.start_allocated)
-            reserved = max(self.reserved_peak, torch.cuda.max_memory_reserved(self.device))
-            return MemoryReport(str(self.device), "cuda-allocator", self.baseline, self.baseline + peak,
-                                reserved, self.timeline, at_peak, storages_peak)
-        return MemoryReport(str(self.device), "live-storages", self.baseline,
-                            self.baseline + self.counter.peak_bytes, None, self.timeline, at_peak)
+        if not self.on_cuda:
+            return MemoryReport(str(self.device), "live-storages", self.weights, self.weights + storages_peak, None,
+                                self.timeline, at_peak)
+        peak = max(self.cuda_peak, torch.cuda.max_memory_allocated(self.device) - self.start_allocated)
+        reserved = max(self.reserved_peak, torch.cuda.max_memory_reserved(self.device))
+        return MemoryReport(str(self.device), "cuda-allocator", self.weights, self.weights + peak, reserved,
+                            self.timeline, at_peak, storages_peak)
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the storages under `tensors`, each once (a view counts its whole storage; tied weights once)."""
+    return sum({t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of parameters and buffers, each storage counted once (tied embeddings share one)."""
-    seen, total = set(), 0
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        storage = tensor.untyped_storage()
-        if storage._cdata not in seen:
-            seen.add(storage._cdata)
-            total += storage.nbytes()
-    return total
+    return storage_bytes([*model.parameters(), *model.buffers()])
