@@ -1,13 +1,8 @@
 """The one place that knows how the installed transformers names the cache.
 
-transformers 5.24 renamed the forward argument and output field `past_key_values` to `cache` (the old
-name is accepted with a FutureWarning until 5.40). kvlab supports 5.17 through the latest 5.x; everything
-else it imports from transformers (`AttentionInterface`, `AttentionMaskInterface`, `sdpa_mask`,
-`sdpa_attention_forward`, `repeat_kv`, `Cache`, `CacheLayerMixin`, `DynamicLayer`, `StaticCache`, the
-logits warpers) exists with the same signatures in 5.17, so this name is the only difference to bridge.
-
-The wrong name is not an error: 5.17 swallows `cache=` into the forward's `**kwargs` and runs without a
-cache, which is why the name is looked up rather than guessed.
+transformers 5.24 renamed the forward argument and output field `past_key_values` to `cache`; kvlab supports
+5.17 through the latest 5.x, and everything else it imports has the same signatures across them. The wrong name
+is no error (5.17 swallows `cache=` into `**kwargs` and runs without a cache), so the name is looked up.
 """
 
 import inspect
@@ -24,11 +19,8 @@ def _installed_renames() -> bool:
 
 
 def cache_argument(model: torch.nn.Module) -> str:
-    """Name of the keyword that carries the KV cache into `model.forward`.
-
-    Read from the forward's signature; a forward that names neither (a wrapper taking only `**kwargs`)
-    gets the installed transformers' name.
-    """
+    """The keyword that carries the KV cache into `model.forward`, from its signature (the installed release's
+    name for a forward that names neither)."""
     params = inspect.signature(type(model).forward).parameters
     for name in ("cache", "past_key_values"):
         if name in params:

@@ -1,21 +1,14 @@
 """Who holds the bytes: at the peak of a run, each live tensor storage and the Python names that keep it.
 
-The method, with no label given by hand:
-1. Run the callable under kvlab's live-storage counter, numbering the aten ops and noting the live bytes
-   after each. The peak is the op after which they were highest (within one model forward, if asked).
-2. Run it again and stop inside `__torch_dispatch__` once that op has returned, before anything unwinds.
-   Look: the Python tensors on live storages come from `gc.get_objects()`; their names from the frames
-   between the callable and the op (`sys._getframe`), outermost first, walking from each local through
-   dicts, lists, tuples and attributes down to the tensors: `function: local['key'][3].attribute`. The op
-   names its own inputs and output (`aten.cat.default: out`). Each direct holder (a local, a container, an
-   object) is named once, by its outermost name. A tensor that shows only part of its storage is a view:
-   it keeps the whole storage alive, though the tensor that storage was made for may be gone.
-Limits: only the storages the counter sees (made while it runs, on CPU or meta; see
-`kvlab.meter.LiveStorageCounter`). A storage no Python object reaches (held from C++, or by an expression's
-unnamed temporary) is "unreferenced from Python"; a tensor reached only from objects outside these frames
-is named by the type of what refers to it (`gc.get_referrers`). The run must repeat its ops (the rerun
-checks the bytes at the peak); the cyclic garbage collector is off during both runs, so that it cannot
-free anything at a different moment.
+1. Run the callable under kvlab's live-storage counter, noting the live bytes after each aten op; the peak is the
+   op after which they were highest (within one model forward, if asked).
+2. Run it again and stop inside `__torch_dispatch__` once that op has returned. The Python tensors on live
+   storages come from `gc.get_objects()`; their names from the frames between the callable and the op, walking
+   from each local through dicts, lists, tuples and attributes: `function: local['key'][3].attribute`. Each
+   direct holder is named once, by its outermost name; a view keeps its whole storage alive.
+Limits: only storages the counter sees (CPU, meta). One no Python object reaches is "unreferenced from Python";
+one reached only from outside these frames is named by the type of what refers to it. The run must repeat its
+ops (the rerun checks the bytes); the cyclic garbage collector is off during both runs.
 """
 
 from __future__ import annotations
@@ -243,7 +236,7 @@ def explain_point(preset: str = "toy", overrides=None, batch: int = 2, prompt: i
     """Explain one greedy point: kvlab's loop (engine "kvlab", with `cache` and `loop`), this transformers'
     own generate() ("installed"), or a release's own ("4.40.1", "4.42.4": in its own process)."""
     from .caches import CACHES
-    from .lab.reference import CONFIG_KEYS, RELEASES, ROOT, install_reference
+    from .lab.reference import RELEASES, ROOT, install_reference, release_values
     from .loops import LOOPS
     from .lab.configs import load_config
     from .models import build_model, parse_dtype
@@ -255,10 +248,7 @@ def explain_point(preset: str = "toy", overrides=None, batch: int = 2, prompt: i
     dtype = str(parse_dtype(dtype)).removeprefix("torch.")
     config = load_config(preset, overrides)  # raises on a bad preset or override before anything is built
     if engine in RELEASES:
-        values = {key: getattr(config, key) for key in CONFIG_KEYS if hasattr(config, key)}
-        rope = getattr(config, "rope_parameters", None) or {}  # as kvlab.lab.reference passes it on
-        values["rope_theta"] = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
-        spec = dict(model_type=config.model_type, config=values, batch=batch, prompt=prompt, new=new, dtype=dtype,
+        spec = dict(model_type=config.model_type, config=release_values(config), batch=batch, prompt=prompt, new=new, dtype=dtype,
                     step=step, seed=seed)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(install_reference(engine)), str(ROOT)]))
         result = subprocess.run([sys.executable, "-m", "kvlab.explain", json.dumps(spec)], env=env,

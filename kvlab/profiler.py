@@ -1,26 +1,11 @@
 """An independent CPU memory meter: PyTorch's profiler, to check the live-storage counter against.
 
-`torch.profiler.profile(profile_memory=True)` records every allocation and free that goes through
-c10's CPU allocator, in time order, as `[memory]` events (bytes > 0 allocated, < 0 freed, with the
-block's address). That is a different witness from `kvlab.meter.LiveStorageCounter`, which sees
-only the outputs of dispatched aten ops:
-
-- it sees what no op outputs: workspaces that a kernel allocates and frees before it returns (SDPA's
-  per-thread buffers), dtype casts inside a kernel, Python scalars wrapped into 0-dim tensors by the
-  argument parser, storages built without an op (`torch.load`, `torch.UntypedStorage(n)`);
-- it does not see memory that c10 did not allocate (`torch.from_numpy`, `torch.frombuffer`: numpy's
-  or Python's buffers), nor, like the counter, allocations made in a Python thread other than the
-  one that entered the profiler;
-- blocks allocated before the region and freed inside it are not reported by c10 (it logs "Memory
-  block of unknown size was allocated before the profiling started"), and we ignore any free of an
-  address the region did not allocate, so, as for the counter, `peak_bytes` is the peak of bytes
-  allocated inside the region and not yet freed.
-
-Cost: the profiler records every op, and the events are read back through the public
-`export_chrome_trace`, a JSON file of every op event (a few MB for a short decode, growing with the
-number of ops). A 24-step toy decode took about 4x its plain time under it, 2x under the counter.
-It is a cross-check, not the meter for sweeps; it reads CPU allocations only (meta has none; on CUDA
-the allocator's own counters are the meter).
+`torch.profiler.profile(profile_memory=True)` records every allocation and free of c10's CPU allocator as
+`[memory]` events, a different witness from `kvlab.meter.LiveStorageCounter` (which sees dispatched ops'
+outputs): it sees kernel workspaces, casts inside a kernel, wrapped Python scalars and storages built without
+an op; it misses memory c10 did not allocate and other threads' allocations. A free of a block from before the
+region is ignored, so, as for the counter, `peak_bytes` is of bytes allocated inside the region. The events are
+read back through the public `export_chrome_trace`: a cross-check (about 4x a plain run), not the sweeps' meter.
 """
 
 from __future__ import annotations
@@ -38,9 +23,8 @@ CPU = 0  # the "Device Type" of a [memory] event (c10::DeviceType::CPU)
 
 @contextlib.contextmanager
 def quiet_stderr():
-    """Kineto (torch 2.13) writes timestamped "profiler_start/stop" lines to the process's stderr whatever
-    KINETO_LOG_LEVEL says; they would land in executed notebooks. Silence file descriptor 2 around the
-    profiler's start and stop only (not around the measured run)."""
+    """Silence file descriptor 2 around the profiler's start and stop: Kineto (torch 2.13) writes lines there
+    whatever KINETO_LOG_LEVEL says, which would land in executed notebooks."""
     sys.stderr.flush()
     saved = os.dup(2)
     try:
@@ -53,12 +37,8 @@ def quiet_stderr():
 
 
 class ProfiledAllocations:
-    """`with ProfiledAllocations() as p: ...` → `p.peak_bytes`, `p.live_bytes` (at exit), `p.events`.
-
-    `events` is the region's CPU allocator events in time order: (address, bytes), bytes < 0 for a free;
-    `times` their profiler timestamps (µs). `mark`: the name of a `record_function` region the caller
-    opens at chosen moments (e.g. the end of each decoding step); `marks` are their timestamps.
-    """
+    """`with ProfiledAllocations() as p: ...` → `p.peak_bytes`, `p.live_bytes` (at exit), `p.events`: (address,
+    bytes < 0 for a free) in time order, `times` (µs); `marks`: the times of `record_function(mark)` regions."""
 
     def __init__(self, mark: str | None = None):
         self.mark = mark

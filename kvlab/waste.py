@@ -5,20 +5,12 @@ one step's activations", by what holds it (kvlab.explain), and what a fix measur
     python -m kvlab.waste 7b-greedy        # one point (its rows replace the stored ones)
     python -m kvlab.waste growth           # the cache against generated tokens: data/today/cache_growth.csv
 
-Each point runs generate() three ways on the same model and prompt: under the meter (the peak, and each forward's
-peak for the timeline), under `explain` (the live storages at the peak and their holders), and the fix (the
-same point by the fix's own run, under the meter). The rows of a point:
-- baseline: the weights, the final cache (from the shapes: every full layer prompt + new - 1 tokens, every
-  sliding layer its window - 1, as generate() ends), and one step's activations (the non-cache storages at
-  the peak when the peak is a decode step; else the last forward's rise, from the meter's timeline);
-- terms: the op's output at the peak where the op updates the cache (the `cat` of DynamicLayer.update, the
-  `index_select` of a beam reorder), storage the cache's tensors do not show (a view kept on a longer buffer),
-  the cache's tensors against the final cache (negative: not yet grown), the activations above one step's;
-- check: the meter's peak, from its own run, which the baseline and terms must add up to;
-- note, not added up: the peak of the prompt's forward (with the fix, where the fix changes only that forward);
-  the storage the cache's tensors do not show after the prompt's forward (a term where the peak is later);
-  a static cache's capacity not yet written at the peak (a part of the final cache);
-- fix: the peak (with the weights) of each fix's run, and what it saves against generate()'s.
+Each point runs generate() under the meter (its peak, each forward's peak), under `explain` (the storages at the
+peak and their holders), and each fix under the meter. Rows: `baseline` (weights; the final cache from the
+shapes; one step's activations), `term` (the cache update's op output, storage the cache's tensors do not show,
+the cache against the final one, activations above one step's), `check` (the meter's peak: baseline and terms
+add up to it), `note` (not added up: the prompt's forward, the view kept after it, a static cache's unwritten
+capacity) and `fix` (each fix's peak and what it saves).
 """
 
 from __future__ import annotations
@@ -79,9 +71,7 @@ def metered(run, model, cache_sizes: list | None = None) -> tuple[int, list[tupl
     meter = MemoryMeter("cpu", model)
     hooks = [model.register_forward_pre_hook(lambda *_: meter.step())]
     if cache_sizes is not None:
-        hooks.append(model.register_forward_hook(
-            lambda module, args, kwargs, out: cache_sizes.append(_cache_sizes(kwargs.get(cache_argument(module)))),
-            with_kwargs=True))
+        hooks.append(_record_cache(model, cache_sizes))
     try:
         with torch.inference_mode(), meter:
             run()
@@ -92,6 +82,13 @@ def metered(run, model, cache_sizes: list | None = None) -> tuple[int, list[tupl
     timeline = meter.report().timeline
     forwards = [(before.live_bytes, after.peak_bytes) for before, after in zip(timeline, timeline[1:])]
     return meter.report().overhead_bytes, forwards
+
+
+def _record_cache(model, sizes: list):
+    """A forward hook appending `_cache_sizes` of the forward's cache to `sizes` after each forward."""
+    return model.register_forward_hook(
+        lambda module, args, kwargs, out: sizes.append(_cache_sizes(kwargs.get(cache_argument(module)))),
+        with_kwargs=True)
 
 
 def _cache_sizes(cache) -> tuple[int, int]:
@@ -250,15 +247,13 @@ def cache_storage_by_step(model, ids: torch.Tensor, new: int, **options) -> list
     """transformers' own generate(): the bytes of the storages under its cache's keys and values after each forward
     (a view counts its whole storage, as memory does), one value per forward."""
     sizes = []
-    hook = model.register_forward_hook(
-        lambda module, args, kwargs, out: sizes.append(_cache_sizes(kwargs.get(cache_argument(module)))[0]),
-        with_kwargs=True)
+    hook = _record_cache(model, sizes)
     try:
         with torch.inference_mode():
             generate_call(model, ids, new, **options)()
     finally:
         hook.remove()
-    return sizes
+    return [storage for storage, _ in sizes]
 
 
 # The cache against generated tokens: a full-attention model beside today's all-sliding (Mistral-7B-v0.1, its

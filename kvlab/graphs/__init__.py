@@ -8,6 +8,7 @@ decodes greedily as 5.x's `generate()` does and gives its exact tokens.
 
 from __future__ import annotations
 
+import statistics
 import time
 import warnings
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from ..caches import TupleCache, num_layers
 from ..compat import cache_argument
 from .conversion import to_cache, to_tuples
 from ..loops import Generation, check_choice, generate
-from ..lab.timing import interleaved, median
+from ..lab.timing import interleaved
 
 # runtime -> the cache designs it can carry (the first is its default).
 RUNTIMES = {"eager": ("dynamic", "tuple", "list", "static", "prealloc"), "jit-trace": ("tuple",),
@@ -233,4 +234,4 @@ def time_variants(model, input_ids, new_tokens, variants=VARIANTS, repeats: int 
         {v: (lambda v=v: decode_variant(model, input_ids, new_tokens, *v, graphs[v]).seconds) for v in variants},
         repeats, warmup={v: (lambda v=v: decode_variant(model, input_ids, min(new_tokens, 3), *v, graphs[v]))
                          for v in variants})
-    return seconds if every else {variant: median(times) for variant, times in seconds.items()}
+    return seconds if every else {variant: statistics.median_high(times) for variant, times in seconds.items()}

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .grid import point_id, point_label, points_of, read_sweep, validate
 from .runner import POINT_NOTEBOOK, kernel_environment, run_one
-from .store import STATUSES, append_row, done_point_ids, load_results, prepare_folder, record_run
+from .store import STATUSES, append_row, append_run, done_point_ids, load_results, prepare_folder
 
 
 def local_engine(todo: list[dict], out: Path, notebook: Path, kernel_name: str | None = None,
@@ -87,8 +87,9 @@ def run_sweep(points_or_grid, out, *, fixed: dict | None = None, notebook: str |
                     bar.write(f"{row['status']}: {point_label(row)}: {row['error']}")
     finally:  # an interrupted run is logged too, with what it managed
         if any(counts.values()):
-            record_run(out, command or f"kvlab.lab.engines.run_sweep({points_or_grid!r}, {str(out)!r})", len(points),
-                       counts, started, points[0]["device"], engine=engine, point_timeout_s=point_timeout, **options)
+            append_run(out, command or f"kvlab.lab.engines.run_sweep({points_or_grid!r}, {str(out)!r})", started,
+                       points[0]["device"], points_in_sweep=len(points), ran=counts, engine=engine,
+                       point_timeout_s=point_timeout, **options)
     if progress:
         print(f"{results}: " + ", ".join(f"{n} {status}" for status, n in counts.items()) + " this run", file=sys.stderr)
     table = load_results(results)

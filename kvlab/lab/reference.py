@@ -52,8 +52,6 @@ SHOWCASE = {
 SHOWCASE_COMMON = dict(dtype="bfloat16", batch=1, strategy="greedy", device="cpu", timing=False)
 
 
-
-
 def showcase_table(results):
     """SHOWCASE's rows (data/reference/results.csv as a DataFrame) side by side: per point, overhead / final KV by
     kvlab's loop and by the release's own generate(), their ratio, and the logits' share of kvlab's peak."""
@@ -64,6 +62,7 @@ def showcase_table(results):
                          "kvlab overhead/KV": ours["overhead_over_kv"], "release overhead/KV": real["overhead_over_kv"],
                          "kvlab / release": ours["overhead_bytes"] / real["overhead_bytes"],
                          "logits share of the peak": ours["logits_at_peak_bytes"] / ours["overhead_bytes"]}).round(4)
+
 
 class ReferenceInstallError(RuntimeError):
     """pip could not install a release (no package index reachable, or no wheel for this Python)."""
@@ -123,9 +122,7 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
             values = {key: value for key, value in config.to_dict().items() if not key.startswith("_")
                       and key not in ("transformers_version", "architectures", "dtype", "model_type")}
         else:
-            values = {key: getattr(config, key) for key in CONFIG_KEYS if hasattr(config, key)}
-            rope = getattr(config, "rope_parameters", None) or {}  # 5.x nests rope_theta there
-            values["rope_theta"] = rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+            values = release_values(config)
         p["overrides"] = ",".join(f"{k}={v}" for k, v in parse_overrides(p["overrides"]).items())  # as kvlab's records
         p["num_beams"] = p["num_beams"] if p["strategy"] == "beam" else 1
         p["kv_final_bytes"] = kv_bytes_per_token(config, p["batch"] * p["num_beams"], p["dtype"]) * (p["prompt"] + p["new"] + p["restart_new"])
@@ -138,6 +135,13 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
         raise RuntimeError(f"transformers {version} run failed:\n{result.stderr[-3000:]}")
     return [dict(record, overhead_over_kv=round(record["overhead_bytes"] / record["kv_final_bytes"], 4))
             for record in json.loads(result.stdout.strip().splitlines()[-1])]
+
+
+def release_values(config) -> dict:
+    """CONFIG_KEYS' values of a 5.x config, and rope_theta (5.x nests it in rope_parameters)."""
+    values = {key: getattr(config, key) for key in CONFIG_KEYS if hasattr(config, key)}
+    rope = getattr(config, "rope_parameters", None) or {}
+    return dict(values, rope_theta=rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
 def weights_digest(model) -> str:

@@ -210,12 +210,6 @@ def load_results(path: str | os.PathLike):
     return table.assign(overrides=table["overrides"].fillna(""))  # no overrides is "", as in a record
 
 
-def record_run(out: Path, command: str, points: int, counts: dict, started: datetime.datetime, device: str,
-               **details) -> dict:
-    """A sweep's `append_run`: how many points it had, and how many ended with each status."""
-    return append_run(out, command, started, device, points_in_sweep=points, ran=counts, **details)
-
-
 def append_run(out: str | os.PathLike, command: str, started: datetime.datetime, device: str, **details) -> dict:
     """Append one run of any kvlab command (command, machine, versions, commit, timing, `details`) to
     OUT/provenance.json, under the file's lock and replaced at once, so concurrent runs all stay logged."""

@@ -20,7 +20,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m kvlab sweep", description="Run a grid of experiment points with papermill: one "
                     "fresh kernel per point, resumable, failures are rows.")  # one-line errors, as every verb
     parser.add_argument("sweep", nargs="?", help=f"sweep YAML (fixed: + grid:), a path or one of: {shipped}")
-    parser.add_argument("--file", help="the same, as an option")
     parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
                         help=f"grid values, repeatable; a single value fixes the key. Keys: {', '.join(DEFAULTS)}")
     parser.add_argument("--out", help="results folder (default: results/<sweep name>)")
@@ -45,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     args = build_parser().parse_args(argv)
-    args.file = args.file or args.sweep
+    args.file = args.sweep
     # A batch scheduler stops a job with SIGTERM (Slurm's scancel, its time limit): treat it as Ctrl-C.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:

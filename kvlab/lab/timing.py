@@ -27,11 +27,6 @@ def interleaved(contenders: dict[Hashable, Callable[[], float]], repeats: int = 
     return seconds
 
 
-def median(values: list[float]) -> float:
-    """The middle value (the upper one of an even count): a single slow run does not move it."""
-    return sorted(values)[len(values) // 2]
-
-
 def decode_seconds(model, prompt: torch.Tensor, new: int, contender: str) -> float:
     """Seconds to decode `new` tokens after `prompt` (its forward included, as generate() times it): a kvlab cache
     design under the v5 loop, or `transformers` for the model's own greedy generate()."""

@@ -23,7 +23,7 @@ WRITERS, POINTS = 4, 12
 WRITER = """
 import datetime, sys, time
 from pathlib import Path
-from kvlab.lab.store import append_row, record_run
+from kvlab.lab.store import append_row, append_run
 out, writer, points = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
 (out / f"ready{writer}").touch()  # imports done: start together, so that the writes overlap
 while not (out / "go").exists():
@@ -34,7 +34,7 @@ for n in range(points):
     extra = {f"extra_{writer}_{n}": n} if n % 5 == 0 else {}
     append_row(out / "results.csv", dict(point_id=point, status="ok", error=None, batch=n, **extra))
 started = datetime.datetime.now(datetime.timezone.utc)
-record_run(out, f"writer {writer}", points, dict(ok=points), started, "cpu")
+append_run(out, f"writer {writer}", started, "cpu", points_in_sweep=points, ran=dict(ok=points))
 """
 
 

@@ -62,7 +62,7 @@ def test_grid_groups_set_parameters_together():
     (["--grid", "batch=-1"], "positive"),
     (["--grid", "new"], "key=v1,v2"),                            # malformed
     (["--grid", "new=4,,8"], "key=v1,v2"),
-    (["--file", "no-such-sweep"], "cpu-default"),               # names the shipped sweeps
+    (["no-such-sweep"], "cpu-default"),               # names the shipped sweeps
     (["--grid", "new=4", "--address", "auto"], "--engine ray"),  # Ray's options without the Ray engine
     (["--grid", "new=4", "--engine", "dask"], "choose one of local, ray"),
 ])

@@ -1,6 +1,6 @@
 """kvlab.lab.timing.interleaved runs the contenders in turn, after one warm-up each, and keeps every repeat."""
 
-from kvlab.lab.timing import interleaved, median
+from kvlab.lab.timing import interleaved
 
 
 def test_contenders_run_in_turn_after_one_warm_up_each():
@@ -22,10 +22,6 @@ def test_without_a_warm_up_each_contender_runs_once_more_untimed():
     calls = []
     seconds = interleaved({"a": lambda: calls.append("a") or 0.5}, repeats=2)
     assert calls == ["a", "a", "a"] and seconds == {"a": [0.5, 0.5]}
-
-
-def test_median_ignores_one_slow_run():
-    assert median([1.0, 9.0, 1.1]) == 1.1 and median([3.0]) == 3.0
 
 
 def test_spread_pairs_each_run_with_the_baseline_of_its_own_round():
