@@ -40,16 +40,10 @@ ENGINES = {"local": local_engine, "ray": ray_engine}
 def run_sweep(points_or_grid, out, *, fixed: dict | None = None, notebook: str | os.PathLike | None = None,
               kernel_name: str | None = None, progress: bool = True, command: str | None = None,
               engine: str = "local", point_timeout: int | None = None, **engine_options):
-    """Run every point not yet done; return the results table (pandas DataFrame) of the whole folder.
-
-    `points_or_grid`: a list of parameter dicts, a grid {key: [values]} (product, on top of `fixed`),
-    or the path / shipped name of a sweep file. Every point is validated before the first one runs.
-    `engine`: "local" (default) or "ray" (options: address, num_cpus, num_gpus; see kvlab.lab.ray_engine).
-    `point_timeout`: seconds a cell of a point's notebook may run (default: a sweep file's point_timeout_s, else
-    none); a point past it is a "failed" row and the sweep goes on.
-    Each run is logged in OUT/provenance.json with `command` (default: this call, spelled out); at the end,
-    OUT/summary.md has the comparison table of `make compare` (kvlab.lab.compare) for the whole folder.
-    """
+    """Run every point not yet done (`points_or_grid`: as `grid.points_of`, all validated first) on `engine` (ray:
+    address, num_cpus, num_gpus); return the folder's results table. `point_timeout`: seconds a cell of a point's
+    notebook may run (default: the sweep file's point_timeout_s); past it the point is a "failed" row. The run is
+    logged in OUT/provenance.json; OUT/summary.md gets `make compare`'s table (kvlab.lab.compare)."""
     from tqdm.auto import tqdm
 
     if engine not in ENGINES:

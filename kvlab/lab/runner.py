@@ -67,12 +67,8 @@ def kernel_environment(points: list[dict]):
 
 def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = None,
             timeout: int | None = None) -> dict:
-    """Execute the point notebook for one point in a fresh kernel; return its results row.
-
-    The executed notebook goes to OUT/notebooks/ (the folder must exist); its record comes back in the row.
-    `timeout`: seconds each cell may run (papermill's execution_timeout; the measurement is one cell); a point
-    past it is a "failed" row, its kernel shut down.
-    """
+    """Execute the point notebook for one point in a fresh kernel (into OUT/notebooks/); return its row.
+    `timeout`: seconds each cell may run (papermill's execution_timeout); past it the point is a "failed" row."""
     import papermill
 
     label = point_label(params)
