@@ -20,6 +20,9 @@ POINT_KEYS = ("cache", "loop", "strategy", "batch", "prompt", "new", "restart_ne
               "chunk_limit", "block_tokens", "runtime")
 INT64 = 8
 FP32 = 4
+# Decoders whose attention transformers runs only in eager PyTorch (GPT-OSS: its attention sinks have no SDPA path):
+# scores, masks and repeat_kv copies are real tensors at every step.
+EAGER_ATTENTION = ("gpt_oss",)
 
 
 class Shape:
@@ -37,6 +40,8 @@ class Shape:
         self.vocab = config.vocab_size
         self.token = kv_bytes_per_token(config, self.rows, dtype)
         self.t = self.token // (2 * self.layers)
+        self.eager = config.model_type in EAGER_ATTENTION
+        self.experts, self.top_k = getattr(config, "num_local_experts", 0), getattr(config, "num_experts_per_tok", 0)
 
     def kv(self, length: int) -> int:
         return self.token * length
@@ -202,6 +207,11 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
             seen = min(before, window - 1) + fed if window else after  # a sliding layer reads its kept window + fed
         # SDPA's is_causal shortcut is off: a bool mask, alive until the decoder stack returns (before the lm_head).
         mask = {"sliding-window attention mask (bool)": s.rows * fed * seen} if window and seen >= window else {}
+        full_seen = static_len if cache == "static" else after  # keys a full layer attends to
+        keys = seen if windows(config)[-1] else full_seen  # ... and the last layer
+        if s.eager:  # eager attention gets a mask of each layer type, in the model's dtype, at every step
+            mask = {"attention masks (model dtype)": s.rows * fed * s.e * (
+                full_seen * (None in windows(config)) + seen * (window is not None))}
         # Alive in the last layer: the embeddings, the residual stream, the normed input, q, k, v and the
         # rotary cos/sin (one row per sequence, from the position ids). The model keeps `inputs_embeds`
         # referenced for its whole forward.
@@ -225,9 +235,15 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
         if transient:
             update["old values buffer during growth, or a window's clone as it moves"] = s.t * transient
         # ... and its attention, which <= 4.42 ran on repeat_kv copies of the layer's keys and values.
-        if release.major == 4 and groups > 1:
+        if release.major == 4 and groups > 1 and not s.eager:
             attention["repeat_kv copies of one layer (<= 4.42 SDPA)"] = 2 * groups * s.t * (
                 static_len if cache == "static" else after)
+        # Eager attention (GPT-OSS) peaks as it shifts the scores for the softmax: the masked scores, the scores with
+        # one sink column, their shifted copy and the row maxima, beside repeat_kv copies of the keys and values.
+        scores = s.rows * s.heads * fed * s.e  # one key's scores
+        if s.eager:
+            attention["eager attention: scores, with the sinks, shifted, and their maxima"] = scores * (3 * keys + 3)
+            attention["repeat_kv copies of one layer"] = 2 * groups * s.t * keys if groups > 1 else 0
         phases = {"update": update, "attention": attention}
 
         # Phase: the MLP of the last layer (matters for the prompt only).
@@ -235,6 +251,16 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
                          "gate, up and their product": 3 * s.rows * fed * s.intermediate * s.e,
                          "embeddings, residual stream and normed input": hidden_states + s.rows * fed * s.hidden * s.e,
                          "rotary cos and sin": rotary, **mask}
+        if s.experts:  # GPT-OSS's experts (grouped_mm): each token's top-k (token, expert) pairs, sorted by expert
+            pairs = s.rows * fed * s.top_k
+            phases["mlp"].update({
+                "gate, up and their product": 0,
+                "experts: gate_up and its biases (2 x 2I); gate, up, glu, up + 1 and their product (5 x I)":
+                    9 * pairs * s.intermediate * s.e,
+                "experts: the hidden states gathered per pair": pairs * s.hidden * s.e,
+                "router logits and scores; pair order, expert ids and weights": s.rows * fed * (
+                    s.experts * s.e + s.top_k * (s.e + INT64)) + pairs * (s.e + FP32 + 2 * INT64),
+                "attention probabilities the layer keeps (eager)": scores * (keys + 1) if s.eager else 0})
         # Phase: the lm_head; <= 4.42 also upcast every fed position's logits to fp32 in the forward.
         kept = 1 if release.major == 5 else fed
         phases["lm_head"] = {"cache after the update": held_after, "old tuple still referenced": old_tuple,

@@ -25,7 +25,8 @@ WINDOW = 64
 # (preset, overrides, prompt): every prompt is longer than the window; Qwen3-8B is all full attention.
 TWINS = {"mistral": ("mistral-7b-v0.1-twin", f"sliding_window={WINDOW}", 100),
          "gemma3": ("gemma-3-4b-twin", f"sliding_window={WINDOW}", 100),
-         "qwen3": ("qwen3-8b-twin", "", 100)}
+         "qwen3": ("qwen3-8b-twin", "", 100),
+         "gpt-oss": ("gpt-oss-20b-twin", "", 200)}  # its own window (128): eager attention makes long prompts slow
 NEW = 60  # past the plateau: every sliding layer holds its window by step 24 at the latest, and prealloc's
 # window buffer (W - 1 + 32 = 95 slots) fills and moves to its front at every prompt of WINDOW_PROMPTS
 QUICK_NEW = 20  # make test's points: the prompt is past the window already, so the first decode step plateaus
@@ -81,6 +82,21 @@ def _theory_point(twin, dtype, strategy, cache="dynamic", loop="v5", new=NEW):
 @pytest.mark.parametrize("twin, strategy", [("mistral", "beam"), ("gemma3", "greedy")])
 def test_theory_of_the_sliding_twins_within_one_percent(twin, strategy):
     _theory_point(twin, "bfloat16", strategy, new=QUICK_NEW)
+
+
+# GPT-OSS: eager attention peaks on a prompt (three score tensors of prompt^2 per head), its experts when the
+# prompt is short and the experts wide (an override, as the real 20B's 2880 is 30 times its heads' width), and
+# the decode steps' scores when the generation is long.
+@pytest.mark.parametrize("overrides, prompt, new, cache, loop, dtype, strategy, where", [
+    ("", 200, QUICK_NEW, "dynamic", "v5", "bfloat16", "beam", "step 0 (attention)"),
+    ("intermediate_size=1920", 16, 3, "prealloc", "v5", "float32", "greedy", "step 0 (mlp)"),
+    ("", 16, 60, "tuple", "v4.40", "float32", "greedy", "step 59 (attention)")])
+def test_theory_of_gpt_oss_attention_and_experts_within_one_percent(overrides, prompt, new, cache, loop, dtype,
+                                                                    strategy, where):
+    point = dict(cache=cache, loop=loop, dtype=dtype, strategy=strategy, batch=1, prompt=prompt, new=new, num_beams=3)
+    record = run_point(preset="gpt-oss-20b-twin", overrides=overrides, device="cpu", timing=False, **point)
+    assert abs(record["prediction_error"]) <= TOLERANCE, record["prediction_error"]
+    assert theory.explain(build_config("gpt-oss-20b-twin", overrides or None), **point)["peak_at"] == where
 
 
 # make test-all's points: each dtype and each strategy once per twin (their terms are independent in theory: fp32

@@ -18,8 +18,9 @@ from .configs import DECODERS, is_hub_id, load_config
 from .point import beams
 
 GIB = 2**30
-# Decoders whose layers kvlab.theory walks through (attention with grouped KV heads, gated MLP).
-MODELED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+# Decoders whose layers kvlab.theory walks through (attention with grouped KV heads, gated MLP; GPT-OSS's eager
+# attention with sinks and its grouped_mm experts).
+MODELED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss")
 UNITS = {"": 1, "b": 1, "byte": 1, "bytes": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20,
          "gb": 10**9, "gib": 2**30, "tb": 10**12, "tib": 2**40}
 
