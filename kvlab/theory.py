@@ -161,11 +161,12 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
     static_windows = [min(w or static_len, static_len) for w in windows(config)] if cache == "static" else []
     static_windows = static_windows if any(w != static_len for w in static_windows) else []
     window = next((w for w in windows(config) if w), None)  # the sliding mask's (one for every sliding layer)
+    last_window, has_full = windows(config)[-1], None in windows(config)
     # Gemma-3 computes rotary cos/sin once per layer type (its rope_parameters are keyed by layer type).
     rope = getattr(config, "rope_parameters", None) or {}
     rope_sets = len(rope) if rope and all(isinstance(v, dict) for v in rope.values()) else 1
     held_after_first = prompt + new - 1  # the caller's tuple during a restart
-    chunks = 0
+    chunks = held_before = 0
     best = (-1, None, None)
     prev_logits = 0  # v4.40: the previous step's outputs (fp32 logits of every fed position)
 
@@ -208,21 +209,25 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
         # SDPA's is_causal shortcut is off: a bool mask, alive until the decoder stack returns (before the lm_head).
         mask = {"sliding-window attention mask (bool)": s.rows * fed * seen} if window and seen >= window else {}
         full_seen = static_len if cache == "static" else after  # keys a full layer attends to
-        keys = seen if windows(config)[-1] else full_seen  # ... and the last layer
+        keys = seen if last_window else full_seen  # ... and the last layer
         if s.eager:  # eager attention gets a mask of each layer type, in the model's dtype, at every step
             mask = {"attention masks (model dtype)": s.rows * fed * s.e * (
-                full_seen * (None in windows(config)) + seen * (window is not None))}
+                full_seen * has_full + seen * (window is not None))}
         # Alive in the last layer: the embeddings, the residual stream, the normed input, q, k, v and the
         # rotary cos/sin (one row per sequence, from the position ids). The model keeps `inputs_embeds`
         # referenced for its whole forward.
         hidden_states = 3 * s.rows * fed * s.hidden * s.e
         rotary = 2 * s.rows * fed * s.head_dim * s.e * rope_sets
         layer_acts = hidden_states + s.rows * fed * (s.heads + 2 * s.kv_heads) * s.head_dim * s.e + rotary
+        new_kv = 2 * s.t * fed  # the layer's new keys and values, dead once the cache returns its own tensors ...
+        # ... except where prealloc's window buffer is too short for the feed: attention reads them as they came
+        read_as_fed = buffers is not None and last_window and fed > last_window - 1 + block_tokens
 
         # Phase: the last layer's cache update (its copies die before attention starts) ...
         base = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
                 "activations of one layer": layer_acts, **mask}
         update, attention = dict(base), dict(base)
+        attention["activations of one layer"] = layer_acts - (0 if read_as_fed else new_kv)
         if cache == "dynamic" and before > 0 and not (call == 1 and first_of_call and restart_from == "tuples"):
             update["old values tensor during its cat"] = s.t * old_last  # (else the caller's tuple holds it)
         if cache == "list":
@@ -234,10 +239,14 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
                 attention["keys and values concatenated for attention"] = 2 * s.t * after
         if transient:
             update["old values buffer during growth, or a window's clone as it moves"] = s.t * transient
-        # ... and its attention, which <= 4.42 ran on repeat_kv copies of the layer's keys and values.
-        if release.major == 4 and groups > 1 and not s.eager:
-            attention["repeat_kv copies of one layer (<= 4.42 SDPA)"] = 2 * groups * s.t * (
-                static_len if cache == "static" else after)
+        # ... and its attention: SDPA's output beside its inputs, which are repeat_kv copies of the layer's keys and
+        # values where transformers does not use SDPA's grouped-query path: always in <= 4.42; in 5.x when the layer
+        # gets a mask and more than one query (a prompt past the window).
+        if not s.eager:
+            copies = groups > 1 and (release.major == 4 or (mask and fed > 1 and last_window))
+            attention["repeat_kv copies of one layer (SDPA without its grouped-query path)"] = (
+                2 * groups * s.t * keys if copies else 0)
+            attention["attention output"] = s.rows * fed * s.heads * s.head_dim * s.e
         # Eager attention (GPT-OSS) peaks as it shifts the scores for the softmax: the masked scores, the scores with
         # one sink column, their shifted copy and the row maxima, beside repeat_kv copies of the keys and values.
         scores = s.rows * s.heads * fed * s.e  # one key's scores
@@ -245,6 +254,14 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
             attention["eager attention: scores, with the sinks, shifted, and their maxima"] = scores * (3 * keys + 3)
             attention["repeat_kv copies of one layer"] = 2 * groups * s.t * keys if groups > 1 else 0
         phases = {"update": update, "attention": attention}
+        # Phase: before the first layer, masking_utils.sdpa_mask builds that mask from the window and causal conditions
+        # (one bool of fed x keys each, then their intersection), then intersects it with the padding mask, one row
+        # per sequence: on a long prompt this is the forward's peak, with nothing but the embeddings beside it.
+        if mask and not s.eager:
+            phases["mask"] = {"cache before the forward": 0 if tuple_cache else held_before,
+                              "old tuple still referenced": old_tuple, "embeddings": s.rows * fed * s.hidden * s.e,
+                              "sliding-window mask being built (bool)": max(3, 1 + s.rows) * fed * seen,
+                              "query and key positions (int64)": (fed + seen) * INT64}
 
         # Phase: the MLP of the last layer (matters for the prompt only).
         phases["mlp"] = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
@@ -304,6 +321,7 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
             if total > best[0]:
                 best = (total, f"step {index} ({'restart ' if call else ''}{name})", terms)
         prev_logits = s.rows * fed * s.vocab * FP32 if keeps_outputs else 0
+        held_before = held_after
     # Tokens each layer's storage holds at the end (5.x sliding layers plateau at the window, the rest grow).
     held_tokens = list((layers or buffers).storage) if layers or buffers else static_windows or [
         static_len if cache == "static" else max_len - 1] * s.layers

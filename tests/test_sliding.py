@@ -99,6 +99,23 @@ def test_theory_of_gpt_oss_attention_and_experts_within_one_percent(overrides, p
     assert theory.explain(build_config("gpt-oss-20b-twin", overrides or None), **point)["peak_at"] == where
 
 
+# A prompt far past the window: 5.x builds the sliding mask (three prompt x prompt bools, more with more rows) before
+# the first layer, and SDPA, given that mask, runs on repeat_kv copies; prealloc's buffer is then shorter than the
+# prompt, which attention reads as it came. Two layers and narrow MLPs, so that these are the peak at 1,500 tokens.
+LONG_PROMPT = ["sliding_window=64", "num_hidden_layers=2", "intermediate_size=128"]
+
+
+@pytest.mark.parametrize("cache, strategy, batch, where", [
+    ("dynamic", "greedy", 1, "step 0 (mask)"), ("dynamic", "beam", 1, "step 0 (attention)"),
+    ("prealloc", "greedy", 2, "step 0 (attention)")])
+def test_theory_of_a_prompt_far_past_the_window(cache, strategy, batch, where):
+    point = dict(cache=cache, loop="v5", strategy=strategy, batch=batch, prompt=1500, new=3, num_beams=3,
+                 dtype="bfloat16")
+    record = run_point(preset="mistral-7b-v0.1-twin", overrides=LONG_PROMPT, device="cpu", timing=False, **point)
+    assert abs(record["prediction_error"]) <= TOLERANCE, record["prediction_error"]
+    assert theory.explain(build_config("mistral-7b-v0.1-twin", LONG_PROMPT), **point)["peak_at"] == where
+
+
 # make test-all's points: each dtype and each strategy once per twin (their terms are independent in theory: fp32
 # copies and upcasts follow the dtype, reorders and scores the strategy); make test adds Gemma-3 bf16 greedy and
 # Mistral bf16 beam.

@@ -4,6 +4,9 @@ Every assertion compares a measurement (the live-storage meter) with something i
 the analytic model of kvlab.theory, a byte count written out by hand, or another measurement.
 """
 
+from pathlib import Path
+
+import pandas as pd
 import pytest
 import torch
 
@@ -12,7 +15,8 @@ from kvlab.caches import CACHES, KVCache, TupleCache, cache_tensors, make_cache
 from kvlab.compat import cache_argument
 from kvlab.lab.point import DESIGNS, measure, run_point
 from kvlab.meter import MemoryMeter
-from kvlab.models import build_model
+from kvlab.lab.configs import build_config
+from kvlab.models import build_model, kv_bytes_per_token
 
 CACHE_DOMINATED = dict(batch=4, prompt=64, new=128, timing=False)  # batch 8 gives the same ratios, to 4 digits
 GREEDY_TOLERANCE = 0.001  # the README's claim: theory within 0.1 % of the meter in fp32 ...
@@ -193,3 +197,39 @@ def test_the_initialisation_changes_no_byte(toy):
     for cache, loop, strategy in (("tuple", "v4.40", "greedy"), ("dynamic", "v4.42", "beam")):
         point = dict(cache=cache, loop=loop, strategy=strategy, batch=2, prompt=16, new=16, timing=False)
         assert run_point(toy, **point)["overhead_bytes"] == run_point(default_init, **point)["overhead_bytes"]
+
+
+# data/today (kvlab.waste): transformers' own generate() measured at the 7B and long-context shapes.
+TODAY = Path(__file__).resolve().parent.parent / "data" / "today"
+GENERATE_OPTIONS = {"": {}, "cache_implementation=static": dict(cache="static"),
+                    "num_beams=4": dict(strategy="beam", num_beams=4)}
+ISSUE_TOLERANCE = 0.01  # the claim for today's layouts: theory within 1 % of the meter on every point
+
+
+def test_theory_predicts_every_stored_waste_point_and_its_prealloc_fix():
+    table = pd.read_csv(TODAY / "waste.csv", keep_default_na=False)
+    for name, rows in table.groupby("point"):
+        first = rows.iloc[0]
+        config = build_config(first["preset"], first["overrides"].split(";") if first["overrides"] else None)
+        point = {"cache": "dynamic", "loop": "v5", "batch": int(first["batch"]), "prompt": int(first["prompt"]),
+                 "new": int(first["new"]), "dtype": first["dtype"], **GENERATE_OPTIONS[first["generate"]]}
+        weights = rows.loc[rows["term"] == "weights", "bytes"].item()
+        peaks = {point["cache"]: rows.loc[rows["kind"] == "check", "bytes"].item()}  # generate()'s own
+        fixed = rows[(rows["kind"] == "fix") & (rows["term"] == "prealloc")]
+        peaks.update({"prealloc": fixed["bytes"].item()} if len(fixed) else {})
+        for cache, peak in peaks.items():
+            predicted = theory.predict_overhead(config, **dict(point, cache=cache))
+            assert (peak - weights) / predicted - 1 == pytest.approx(0, abs=ISSUE_TOLERANCE), (name, cache)
+
+
+def test_theory_walks_each_layer_as_the_stored_cache_growth():
+    table = pd.read_csv(TODAY / "cache_growth.csv", keep_default_na=False)
+    for (preset, overrides), rows in table.groupby(["preset", "overrides"]):
+        config = build_config(preset, overrides.split(";") if overrides else None)
+        token = kv_bytes_per_token(config, 1, "bfloat16") // config.num_hidden_layers  # one layer's, keys and values
+        layers, prompt = theory.Layers(theory.windows(config)), rows["tokens"].min()
+        stored = dict(zip(rows["forward"], rows["cache_storage_bytes"]))
+        for forward in range(max(stored) + 1):
+            layers.update(prompt if forward == 0 else 1)
+            if forward in stored:
+                assert token * sum(layers.storage) == stored[forward], (preset, forward)
