@@ -9,7 +9,7 @@
     reference   the real releases' own generate(), each in its own folder, in a subprocess
     predict     the predicted peak before running, and "does it fit"
     compare     the main job (`make compare`): a shipped sweep, its table and figures
-    cli         `python -m kvlab {measure,predict,compare,sweep,stream}`; sweep_cli: the sweep's own options
+    cli         `python -m kvlab {measure,predict,compare,sweep,stream}`
 
 How sweeps run, resume and fail: README.md, "Sweeps".
 """

@@ -1,6 +1,7 @@
 """Command line: `python -m kvlab {measure,compare,predict,explain,sweep,stream}`. Every error is one line, `kvlab VERB:
 error: ...` (argparse's own too), exit status 2 for bad input, before any model is built; so is a point predicted
-not to fit in its device's free memory (unless --force). stream serves encoder-decoders; the others, decoders.
+not to fit in its device's free memory (unless --force). stream serves encoder-decoders; the others, decoders. A
+sweep (a sweep file and/or --grid items → points → an engine) stops on Ctrl-C or SIGTERM with its rows kept.
 """
 
 from __future__ import annotations
@@ -8,6 +9,7 @@ from __future__ import annotations
 import argparse
 import inspect
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -119,8 +121,60 @@ def cmd_compare(args) -> None:
 
 
 def cmd_sweep(args) -> None:
-    from .sweep_cli import main as sweep_main
-    sweep_main(args.rest)
+    # A batch scheduler stops a job with SIGTERM (Slurm's scancel, its time limit): treat it as Ctrl-C.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        _sweep(args)
+    except OSError as error:  # the file system: full, read-only, a file where a folder is wanted
+        where = f" ({error.filename})" if error.filename else ""
+        print(f"kvlab sweep: error: {error.strerror or error}{where}; the rows saved so far are kept: "
+              f"fix that and rerun the same command to resume", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:  # the rows written so far stay valid: a rerun resumes
+        print("kvlab sweep: interrupted; rerun the same command to resume", file=sys.stderr)
+        sys.exit(130)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _sweep(args) -> None:
+    from .engines import ENGINES, run_sweep
+    from .grid import expand, load_sweep, merge_grid_items, point_id, point_label, read_sweep, validate
+    from .store import rebuild
+    if args.engine not in ENGINES:
+        raise ValueError(f"unknown engine {args.engine!r}; choose one of {', '.join(ENGINES)}")
+    if args.engine == "local" and (args.address or args.num_cpus is not None or args.num_gpus is not None):
+        raise ValueError("--address, --num-cpus and --num-gpus are for --engine ray")
+    fixed, grid = merge_grid_items(*(load_sweep(args.file) if args.file else ({}, {})), args.grid)
+    timeout = args.point_timeout
+    if timeout is None and args.file:
+        timeout = read_sweep(args.file).get("point_timeout_s")
+    if timeout is not None and timeout < 1:
+        raise ValueError(f"--point-timeout must be a positive number of seconds, got {timeout}")
+    out = Path(args.out or Path("results") / (Path(args.file).stem if args.file else "sweep"))
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; give a folder for the results")
+    if args.rebuild:
+        if not out.is_dir():
+            raise ValueError(f"no results folder {out} to rebuild; give it with --out")
+        rows = rebuild(out / "results.csv")
+        print(f"{out / 'results.csv'}: {len(rows)} rows, from {out / 'records'}", file=sys.stderr)
+        return
+    if not args.file and not args.grid:
+        raise ValueError("give a sweep file and/or --grid key=v1,v2,...")
+    if args.force:
+        grid.pop("force", None)
+        fixed["force"] = True
+    points = validate(expand(fixed, grid), devices_here=args.engine == "local")
+    if args.dry_run:
+        for params in points:
+            print(point_id(params), point_label(params))
+        print(f"{len(points)} point{'s' * (len(points) != 1)}; results would go to {out / 'results.csv'}"
+              + (f"; each cell of a point may run {timeout} s" if timeout else ""))
+        return
+    engine_options = dict(address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
+    run_sweep(points, out, notebook=args.notebook, kernel_name=args.kernel, command=" ".join(["python -m kvlab", *args.argv]),
+              engine=args.engine, point_timeout=timeout, **(engine_options if args.engine == "ray" else {}))
 
 
 def cmd_stream(args) -> None:
@@ -151,6 +205,35 @@ def _stream_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--count", type=int, default=None, metavar="N", help=f"number of requests {file}")
     parser.add_argument("--device", default=None, help=f"cpu, cuda or auto {file}")
     parser.add_argument("--compile-backend", default=None, help=f"none, eager, inductor, ... {file}")
+
+
+def _sweep_arguments(parser: argparse.ArgumentParser) -> None:
+    from .engines import ENGINES
+    from .grid import SWEEPS_DIR
+    from .runner import POINT_NOTEBOOK
+    parser.description = ("Run a grid of experiment points with papermill: one fresh kernel per point, resumable, "
+                          "failures are rows.")
+    parser.add_argument("file", nargs="?", metavar="sweep", help="sweep YAML (fixed: + grid:), a path or one of: "
+                        f"{', '.join(sorted(p.stem for p in SWEEPS_DIR.glob('*.yaml')))}")
+    parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
+                        help=f"grid values, repeatable; a single value fixes the key. Keys: {', '.join(DEFAULTS)}")
+    parser.add_argument("--out", help="results folder (default: results/<sweep name>)")
+    parser.add_argument("--notebook", default=None, help=f"point notebook (default: {POINT_NOTEBOOK.name})")
+    parser.add_argument("--kernel", default=None, help="Jupyter kernel name (default: the notebook's)")
+    parser.add_argument("--dry-run", action="store_true", help="validate and list the points, run nothing")
+    parser.add_argument("--force", action="store_true", help="run points predicted not to fit in free memory too")
+    parser.add_argument("--point-timeout", type=int, default=None, metavar="SECONDS",
+                        help="seconds a cell of a point's notebook may run; past it the point is a failed row "
+                        "(default: the sweep file's point_timeout_s, else no limit)")
+    parser.add_argument("--rebuild", action="store_true",
+                        help="remake OUT/results.csv from the rows in OUT/records/ and stop (every sweep does this first)")
+    ray = parser.add_argument_group("engine", "where the points run (the results folder is the same for both)")
+    ray.add_argument("--engine", default="local", metavar="{" + ",".join(ENGINES) + "}",
+                     help="local: one point after the other here (default); ray: a Ray task per point")
+    ray.add_argument("--address", default=None,
+                     help="Ray cluster: auto (the one this node belongs to) or ray://HOST:PORT; default: start one here")
+    ray.add_argument("--num-cpus", type=float, default=None, help="CPUs per point's Ray task (default 1)")
+    ray.add_argument("--num-gpus", type=float, default=None, help="GPUs per point's Ray task (default: 1 for CUDA points, else 0)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -203,9 +286,8 @@ def build_parser() -> argparse.ArgumentParser:
     _point_arguments(compare, ("batch", "prompt", "new", "dtype"), default="(default: the sweep file's)")
     compare.add_argument("--out", default=None, help="results folder (default: results/compare-<time>)")
 
-    sweep = sub.add_parser("sweep", help="run a grid of points with papermill, one fresh kernel each, here or on Ray "
-                           "(--engine local|ray --address ...)", add_help=False)
-    sweep.add_argument("rest", nargs=argparse.REMAINDER)
+    _sweep_arguments(sub.add_parser("sweep", help="run a grid of points with papermill, one fresh kernel each, here "
+                                    "or on Ray (--engine local|ray --address ...)"))
     _stream_arguments(sub.add_parser("stream", help="serve a stream of encoder-decoder requests with each cache design"))
     commands = dict(measure=cmd_measure, predict=cmd_predict, explain=cmd_explain, compare=cmd_compare, sweep=cmd_sweep,
                     stream=cmd_stream)
@@ -216,10 +298,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["sweep"]:  # argparse's REMAINDER cannot start with an option: hand over directly
-        args = argparse.Namespace(command="sweep", rest=argv[1:], func=cmd_sweep)
-    else:
-        args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     args.argv = argv
     try:
         args.func(args)

@@ -92,7 +92,7 @@ def write_inputs(tmp: Path) -> None:
 # stdout and stderr in files; prints [(exit status, stdout, stderr)] as JSON.
 DRIVER = r"""
 import json, os, runpy, sys, tempfile, traceback
-import kvlab.lab.cli, kvlab.encdec.stream, kvlab.lab.sweep_cli
+import kvlab.lab.cli, kvlab.encdec.stream
 results = []
 folder = tempfile.mkdtemp()
 for index, argv in enumerate(json.loads(sys.argv[1])):

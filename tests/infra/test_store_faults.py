@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvlab.lab import sweep_cli
+from kvlab.lab import cli
 from kvlab.lab.store import append_row, load_results, rebuild
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ def sweep(argv, capsys):
     """`python -m kvlab sweep ARGV` in this process: (exit code, stderr lines)."""
     code = 0
     try:
-        sweep_cli.main(argv)
+        cli.main(["sweep", *argv])
     except SystemExit as exit_:
         code = exit_.code
     return code, capsys.readouterr().err.strip().splitlines()

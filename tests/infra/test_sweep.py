@@ -18,7 +18,7 @@ from kvlab.lab.engines import run_sweep
 from kvlab.lab.grid import SWEEPS_DIR, expand, load_sweep, parse_grid_item, point_id, validate
 from kvlab.lab.runner import failure_status
 from kvlab.lab.store import COLUMNS, done_point_ids, load_results
-from kvlab.lab import sweep_cli
+from kvlab.lab import cli
 from kvlab.lab.point import DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,7 +69,7 @@ def test_grid_groups_set_parameters_together():
 def test_bad_grid_exits_before_running(tmp_path, capsys, grid, message):
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_info:
-        sweep_cli.main(["--out", str(out), *grid])
+        cli.main(["sweep", "--out", str(out), *grid])
     assert exit_info.value.code == 2
     error = capsys.readouterr().err.strip()
     assert len(error.splitlines()) == 1 and error.startswith("kvlab sweep: error:") and message in error
@@ -92,7 +92,7 @@ def test_shipped_sweep_by_name_from_the_cli(tmp_path):
 
 
 def test_command_line_values_win_over_the_file(capsys):
-    sweep_cli.main(["cpu-default", "--grid", "cache=dynamic", "--grid", "new=64", "--dry-run"])
+    cli.main(["sweep", "cpu-default", "--grid", "cache=dynamic", "--grid", "new=64", "--dry-run"])
     listing = capsys.readouterr().out
     assert "8 points" not in listing and "3 points" in listing  # the dynamic cache's three loops, one size
     assert "_dynamic_v4.40_" in listing and "_dynamic_v5_" in listing and "_n64_" in listing
