@@ -13,6 +13,7 @@ ops (the rerun checks the bytes); the cyclic garbage collector is off during bot
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -122,10 +123,8 @@ def _call(run, counter: _OpCounter, model=None) -> list[int]:
     enabled = gc.isenabled()
     gc.disable()
     try:
-        with counter:
+        with contextlib.suppress(_Stop), counter:
             run()
-    except _Stop:
-        pass
     finally:
         if enabled:
             gc.enable()
@@ -237,14 +236,13 @@ def explain_point(preset: str = "toy", overrides=None, batch: int = 2, prompt: i
     own generate() ("installed"), or a release's own ("4.40.1", "4.42.4": in its own process)."""
     from .caches import CACHES
     from .lab.reference import RELEASES, ROOT, install_reference, release_values
-    from .loops import LOOPS
+    from .loops import LOOPS, check_choice
     from .lab.configs import load_config
     from .models import build_model, parse_dtype
 
     for kind, value, choices in (("engine", engine, ("kvlab", "installed", *RELEASES)), ("cache", cache, CACHES),
                                  ("loop", loop, LOOPS)):
-        if value not in choices:
-            raise ValueError(f"unknown {kind} {value!r}; choose one of: {', '.join(choices)}")
+        check_choice(kind, value, choices)
     dtype = str(parse_dtype(dtype)).removeprefix("torch.")
     config = load_config(preset, overrides)  # raises on a bad preset or override before anything is built
     if engine in RELEASES:
