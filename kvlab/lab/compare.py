@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..models import resolve_device
-from .grid import expand, load_sweep, sweep_file, validate
+from .grid import load_sweep
 from .engines import run_sweep
 from .point import DESIGNS
 
@@ -74,14 +74,13 @@ def write_summary(results: pd.DataFrame, path: Path, title: str) -> None:
 
 def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
     device = resolve_device(device)
-    fixed, grid = load_sweep(sweep_file("cuda-default" if device.startswith("cuda") else "cpu-default"))
+    fixed, grid = load_sweep("cuda-default" if device.startswith("cuda") else "cpu-default")
     fixed.update(device=device, **{k: v for k, v in dict(preset=preset, **sizes).items() if v is not None})
     if sizes.get("new") is not None:
         grid.pop("new", None)
-    points = validate(expand(fixed, grid))  # every bad input fails here, before anything runs
     out = Path(out or f"results/compare-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-
-    results = run_sweep(points, out, command="python -m kvlab compare")
+    # run_sweep validates every point before anything runs: a bad input is refused with no folder made.
+    results = run_sweep(grid, out, fixed=fixed, command="python -m kvlab compare")
     for _, row in results[results["status"] != "ok"].iterrows():
         print(f"{row['status']}: {row['cache']}/{row['loop']} new={row['new']}: {row['error']}")
     table, longest = comparison_table(results), longest_ok(results)
