@@ -24,7 +24,7 @@ from .. import encdec, models
 from ..compat import cache_from_outputs
 from ..lab.point import DEFAULTS as POINT_DEFAULTS, provenance
 from ..lab.shipped import read_yaml, shipped_or_path
-from ..lab.store import append_run, prepare_folder, replace_rows
+from ..lab.store import append_run, load_results, prepare_folder, replace_rows
 from ..loops import check_choice
 from ..meter import LiveStorageCounter
 from ..lab.configs import load_config
@@ -252,10 +252,8 @@ def write_records(path: Path, records: list[dict]) -> None:
 
 
 def load_records(path):
-    import pandas as pd
-    path = Path(path)
-    return pd.read_csv(path / "results.csv" if path.is_dir() else path, dtype={"overrides": "string"}).assign(
-        overrides=lambda t: t["overrides"].fillna(""))
+    """A stream's rows (or its folder's results.csv) as a DataFrame."""
+    return load_results(path, check=False)
 
 
 def run(settings: dict, out: Path | None = None, progress: bool = True, command: str | None = None) -> list[dict]:
