@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import sys
@@ -22,10 +23,8 @@ def parse_value(text: str):
     if lowered in ("true", "false", "none", "null"):
         return {"true": True, "false": False}.get(lowered)
     for cast in (int, float):
-        try:
+        with contextlib.suppress(ValueError):
             return cast(text)
-        except ValueError:
-            pass
     return text
 
 
@@ -164,10 +163,8 @@ def _hub_config(source: str):
     except OSError:
         online = hub_reachable()
         if online:
-            try:
+            with contextlib.suppress(OSError):
                 return AutoConfig.from_pretrained(source)
-            except OSError:
-                pass
         raise hub_error(source, online) from None
 
 
