@@ -86,17 +86,18 @@ def test_theory_of_the_sliding_twins_within_one_percent(twin, strategy):
 
 # GPT-OSS: eager attention peaks on a prompt (three score tensors of prompt^2 per head), its experts when the
 # prompt is short and the experts wide (an override, as the real 20B's 2880 is 30 times its heads' width), and
-# the decode steps' scores when the generation is long.
+# the decode steps' scores when the generation is long. Four layers (two of each kind) where the peak is in the
+# prompt's forward; all 24 where the cache must outgrow the logits.
 @pytest.mark.parametrize("overrides, prompt, new, cache, loop, dtype, strategy, where", [
-    ("", 200, QUICK_NEW, "dynamic", "v5", "bfloat16", "beam", "step 0 (attention)"),
-    ("intermediate_size=1920", 16, 3, "prealloc", "v5", "float32", "greedy", "step 0 (mlp)"),
+    ("num_hidden_layers=4", 140, 3, "dynamic", "v5", "bfloat16", "beam", "step 0 (attention)"),
+    ("num_hidden_layers=4,intermediate_size=1920", 16, 3, "prealloc", "v5", "float32", "greedy", "step 0 (mlp)"),
     ("", 16, 60, "tuple", "v4.40", "float32", "greedy", "step 59 (attention)")])
 def test_theory_of_gpt_oss_attention_and_experts_within_one_percent(overrides, prompt, new, cache, loop, dtype,
                                                                     strategy, where):
     point = dict(cache=cache, loop=loop, dtype=dtype, strategy=strategy, batch=1, prompt=prompt, new=new, num_beams=3)
     record = run_point(preset="gpt-oss-20b-twin", overrides=overrides, device="cpu", timing=False, **point)
     assert abs(record["prediction_error"]) <= TOLERANCE, record["prediction_error"]
-    assert theory.explain(build_config("gpt-oss-20b-twin", overrides or None), **point)["peak_at"] == where
+    assert theory.explain(build_config("gpt-oss-20b-twin", overrides), **point)["peak_at"] == where
 
 
 # A prompt far past the window: 5.x builds the sliding mask (three prompt x prompt bools, more with more rows) before
