@@ -233,3 +233,22 @@ def test_theory_walks_each_layer_as_the_stored_cache_growth():
             layers.update(prompt if forward == 0 else 1)
             if forward in stored:
                 assert token * sum(layers.storage) == stored[forward], (preset, forward)
+
+
+def test_theory_predicts_every_stored_kvlab_point_within_the_readmes_claim():
+    """Every kvlab point measured under data/ (CPU, meta, twins, references, graphs) against today's theory."""
+    counts = ("batch", "prompt", "new", "restart_new", "num_beams", "chunk_limit", "block_tokens")
+    errors = {}
+    for path in sorted(TODAY.parent.glob("*/results.csv")):
+        table = pd.read_csv(path)
+        if "overhead_bytes" not in table:  # data/speed: timings only
+            continue
+        table = table[(table.get("status", "ok") == "ok") & (table.get("kind", "kvlab") == "kvlab")]
+        for index, row in table.iterrows():
+            point = {key: int(row[key]) if key in counts else row[key]
+                     for key in theory.POINT_KEYS if key in row and pd.notna(row[key])}
+            overrides = row["overrides"].split(";") if pd.notna(row["overrides"]) else None
+            predicted = theory.predict_overhead(build_config(row["preset"], overrides), **point)
+            errors[path.parent.name, index] = row["overhead_bytes"] / predicted - 1
+    worst = max(errors.items(), key=lambda item: abs(item[1]))
+    assert len(errors) == 77 and abs(worst[1]) <= 0.0008, worst
