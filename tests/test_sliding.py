@@ -94,10 +94,16 @@ def test_theory_of_the_sliding_twins_within_one_percent(twin, strategy):
     ("", 16, 60, "tuple", "v4.40", "float32", "greedy", "step 59 (attention)")])
 def test_theory_of_gpt_oss_attention_and_experts_within_one_percent(overrides, prompt, new, cache, loop, dtype,
                                                                     strategy, where):
-    point = dict(cache=cache, loop=loop, dtype=dtype, strategy=strategy, batch=1, prompt=prompt, new=new, num_beams=3)
-    record = run_point(preset="gpt-oss-20b-twin", overrides=overrides, device="cpu", timing=False, **point)
+    _theory_peak("gpt-oss-20b-twin", overrides, where, cache=cache, loop=loop, dtype=dtype, strategy=strategy,
+                 batch=1, prompt=prompt, new=new)
+
+
+def _theory_peak(preset, overrides, where, **point):
+    """Meter vs theory within TOLERANCE, and theory's peak in the phase the test means to exercise."""
+    point = dict(point, num_beams=3)
+    record = run_point(preset=preset, overrides=overrides, device="cpu", timing=False, **point)
     assert abs(record["prediction_error"]) <= TOLERANCE, record["prediction_error"]
-    assert theory.explain(build_config("gpt-oss-20b-twin", overrides), **point)["peak_at"] == where
+    assert theory.explain(build_config(preset, overrides), **point)["peak_at"] == where
 
 
 # A prompt far past the window: 5.x builds the sliding mask (three prompt x prompt bools, more with more rows) before
@@ -110,11 +116,8 @@ LONG_PROMPT = ["sliding_window=64", "num_hidden_layers=2", "intermediate_size=12
     ("dynamic", "greedy", 1, "step 0 (mask)"), ("dynamic", "beam", 1, "step 0 (attention)"),
     ("prealloc", "greedy", 2, "step 0 (attention)")])
 def test_theory_of_a_prompt_far_past_the_window(cache, strategy, batch, where):
-    point = dict(cache=cache, loop="v5", strategy=strategy, batch=batch, prompt=1500, new=3, num_beams=3,
-                 dtype="bfloat16")
-    record = run_point(preset="mistral-7b-v0.1-twin", overrides=LONG_PROMPT, device="cpu", timing=False, **point)
-    assert abs(record["prediction_error"]) <= TOLERANCE, record["prediction_error"]
-    assert theory.explain(build_config("mistral-7b-v0.1-twin", LONG_PROMPT), **point)["peak_at"] == where
+    _theory_peak("mistral-7b-v0.1-twin", LONG_PROMPT, where, cache=cache, loop="v5", strategy=strategy, batch=batch,
+                 prompt=1500, new=3, dtype="bfloat16")
 
 
 # make test-all's points: each dtype and each strategy once per twin (their terms are independent in theory: fp32

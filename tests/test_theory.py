@@ -203,14 +203,14 @@ def test_the_initialisation_changes_no_byte(toy):
 TODAY = Path(__file__).resolve().parent.parent / "data" / "today"
 GENERATE_OPTIONS = {"": {}, "cache_implementation=static": dict(cache="static"),
                     "num_beams=4": dict(strategy="beam", num_beams=4)}
-ISSUE_TOLERANCE = 0.01  # the claim for today's layouts: theory within 1 % of the meter on every point
+TODAY_TOLERANCE = 0.0012  # the README's claim for these runs (the issue asks for 1 %)
 
 
 def test_theory_predicts_every_stored_waste_point_and_its_prealloc_fix():
     table = pd.read_csv(TODAY / "waste.csv", keep_default_na=False)
     for name, rows in table.groupby("point"):
         first = rows.iloc[0]
-        config = build_config(first["preset"], first["overrides"].split(";") if first["overrides"] else None)
+        config = build_config(first["preset"], first["overrides"].split())  # kvlab.waste writes "key=value key=value"
         point = {"cache": "dynamic", "loop": "v5", "batch": int(first["batch"]), "prompt": int(first["prompt"]),
                  "new": int(first["new"]), "dtype": first["dtype"], **GENERATE_OPTIONS[first["generate"]]}
         weights = rows.loc[rows["term"] == "weights", "bytes"].item()
@@ -219,13 +219,13 @@ def test_theory_predicts_every_stored_waste_point_and_its_prealloc_fix():
         peaks.update({"prealloc": fixed["bytes"].item()} if len(fixed) else {})
         for cache, peak in peaks.items():
             predicted = theory.predict_overhead(config, **dict(point, cache=cache))
-            assert (peak - weights) / predicted - 1 == pytest.approx(0, abs=ISSUE_TOLERANCE), (name, cache)
+            assert (peak - weights) / predicted - 1 == pytest.approx(0, abs=TODAY_TOLERANCE), (name, cache)
 
 
 def test_theory_walks_each_layer_as_the_stored_cache_growth():
     table = pd.read_csv(TODAY / "cache_growth.csv", keep_default_na=False)
     for (preset, overrides), rows in table.groupby(["preset", "overrides"]):
-        config = build_config(preset, overrides.split(";") if overrides else None)
+        config = build_config(preset, overrides.split())
         token = kv_bytes_per_token(config, 1, "bfloat16") // config.num_hidden_layers  # one layer's, keys and values
         layers, prompt = theory.Layers(theory.windows(config)), rows["tokens"].min()
         stored = dict(zip(rows["forward"], rows["cache_storage_bytes"]))
@@ -247,7 +247,7 @@ def test_theory_predicts_every_stored_kvlab_point_within_the_readmes_claim():
         for index, row in table.iterrows():
             point = {key: int(row[key]) if key in counts else row[key]
                      for key in theory.POINT_KEYS if key in row and pd.notna(row[key])}
-            overrides = row["overrides"].split(";") if pd.notna(row["overrides"]) else None
+            overrides = row["overrides"] if pd.notna(row["overrides"]) else None  # as the record keeps them: "k=v,k=v"
             predicted = theory.predict_overhead(build_config(row["preset"], overrides), **point)
             errors[path.parent.name, index] = row["overhead_bytes"] / predicted - 1
     worst = max(errors.items(), key=lambda item: abs(item[1]))
