@@ -1,5 +1,5 @@
 """Encoder–decoder models: requests, and `generate`, greedy decoding written out so that a cache can be handed
-in and metered (its tokens equal `model.generate()`'s). Presets in kvlab.models; docs/encoder-decoder.md."""
+in (its tokens equal `model.generate()`'s). Presets in kvlab.models; docs/encoder-decoder.md."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, EncoderDecoderCache
+from transformers import DynamicCache, EncoderDecoderCache, GenerationMixin
 from transformers.modeling_outputs import BaseModelOutput
 
 from ..compat import cache_argument
@@ -72,7 +72,6 @@ def generate_reference(model, request: Request, new_tokens: int, whole_output: b
     options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, num_beams=1,
                    return_dict_in_generate=whole_output, **generate_kwargs)
     if is_whisper(model):
-        from transformers import GenerationMixin
         hidden, _ = encode(model, request)
         start = torch.full((request.batch, 1), model.config.decoder_start_token_id, device=hidden.device)
         out = GenerationMixin.generate(model, encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
@@ -82,8 +81,7 @@ def generate_reference(model, request: Request, new_tokens: int, whole_output: b
     return out if whole_output else out[:, 1:]
 
 
-def generate(model, request: Request, new_tokens: int, cache=None, *, step=None, meter=None,
-             encoder_output=None) -> Generation:
+def generate(model, request: Request, new_tokens: int, cache=None, *, step=None, encoder_output=None) -> Generation:
     """Greedy decoding: the encoder once (unless `encoder_output`, (hidden, mask), is given), then `new_tokens`
     decoder steps through one `EncoderDecoderCache` (default: two `DynamicCache`s, as `generate()`), or through
     what `cache.for_request(batch, hidden, mask, new_tokens)` hands out (`ReusableStaticCache`). `step`: the
@@ -97,8 +95,6 @@ def generate(model, request: Request, new_tokens: int, cache=None, *, step=None,
             cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
         elif hasattr(cache, "for_request"):
             cache, hidden, mask = cache.for_request(request.batch, hidden, mask, new_tokens)
-        if meter is not None:
-            meter.label(hidden, "other")
         tokens = torch.full((hidden.shape[0], 1), model.config.decoder_start_token_id, dtype=torch.long,
                             device=hidden.device)
         generated = []
@@ -107,8 +103,6 @@ def generate(model, request: Request, new_tokens: int, cache=None, *, step=None,
             tokens = logits.argmax(-1, keepdim=True)
             generated.append(tokens)
             del logits
-            if meter is not None:
-                meter.step()
         out = torch.cat(generated, dim=1)[:request.batch]
     return Generation(out, cache, time.perf_counter() - started)
 

@@ -14,7 +14,8 @@ from transformers.cache_utils import Cache, StaticLayer
 
 from ..compat import cache_argument
 from ..loops import check_choice
-from . import decoder_shape, is_whisper, make_request
+from . import Request, decoder_shape, is_whisper, make_request
+
 
 class ReusedLayer(StaticLayer):
     """One layer's keys and values, views of buffers allocated once; `bind` picks the part a request uses."""
@@ -111,8 +112,7 @@ class ReusableStaticCache:
             layer.bind(batch, self.max_new_tokens)
         for layer in self.cross_layers:
             layer.bind(batch, length)
-        for index in self.cache.is_updated:  # the cross-attention part is filled again at the first step
-            self.cache.is_updated[index] = False
+        self.cache.is_updated = dict.fromkeys(self.cache.is_updated, False)  # cross-attention refilled at step 1
         return self.cache, encoder_output, encoder_mask
 
 
@@ -144,12 +144,11 @@ def longer_cross_attention_cache(model, batch: int, encoder_length: int, cache_l
     Returns the largest |score difference| over every step and the share of tokens that still agree."""
     request = make_request(model, batch, encoder_length)
     tokens, scores = _scores(model, request, new_tokens)
+    pad = (0, cache_length - encoder_length)
+    padded = Request(batch, cache_length, dict(
+        input_ids=torch.nn.functional.pad(request.inputs["input_ids"], pad, value=model.config.pad_token_id),
+        attention_mask=torch.nn.functional.pad(request.inputs["attention_mask"], pad, value=0)))
     found = {}
-    pad = cache_length - encoder_length
-    ids, mask = request.inputs["input_ids"], request.inputs["attention_mask"]
-    padded = type(request)(batch, cache_length, dict(
-        input_ids=torch.nn.functional.pad(ids, (0, pad), value=model.config.pad_token_id),
-        attention_mask=torch.nn.functional.pad(mask, (0, pad), value=0)))
     for name, used in (("unmasked", request), ("masked", padded)):
         cache = EncoderDecoderCache(StaticCache(model.config, max_cache_len=new_tokens),
                                     StaticCache(model.config, max_cache_len=cache_length))

@@ -148,13 +148,13 @@ def request_meter(device: str):
     yield result
     torch.cuda.synchronize(device)
     end = torch.cuda.memory_stats(device)
+    inactive = end["inactive_split_bytes.all.current"]
     result.update(meter="cuda-allocator",
                   peak_bytes=end["allocated_bytes.all.peak"] - start["allocated_bytes.all.current"],
                   allocated_bytes=end["allocated_bytes.all.allocated"] - start["allocated_bytes.all.allocated"],
                   allocations=end["allocation.all.allocated"] - start["allocation.all.allocated"],
-                  reserved_peak_bytes=end["reserved_bytes.all.peak"],
-                  inactive_split_bytes=end["inactive_split_bytes.all.current"],
-                  fragmentation=round(end["inactive_split_bytes.all.current"] / max(end["reserved_bytes.all.current"], 1), 4))
+                  reserved_peak_bytes=end["reserved_bytes.all.peak"], inactive_split_bytes=inactive,
+                  fragmentation=round(inactive / max(end["reserved_bytes.all.current"], 1), 4))
 
 
 class Server:

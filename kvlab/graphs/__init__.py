@@ -172,11 +172,9 @@ def generate_graph(model, input_ids: torch.Tensor, new_tokens: int, runtime: str
         raise ValueError(f"graphs built for runtime {graphs.runtime}, batch {graphs.batch}, {graphs.max_cache_len} "
                          f"cached tokens cannot decode {runtime}, batch {rows}, prompt {prompt} + {new_tokens} new")
     device, tokens = input_ids.device, input_ids
-    flat, past = (), None
-    if runtime == "export":
-        kv = _fresh_cache_buffers(graphs.prefill)
-        if meter is not None:
-            meter.label(kv, "kv")
+    kv = _fresh_cache_buffers(graphs.prefill) if runtime == "export" else ()  # jit-trace, convert: tuples
+    if meter is not None:
+        meter.label(kv, "kv")
     start = time.perf_counter()
     with torch.no_grad():
         for step in range(new_tokens):
@@ -184,18 +182,18 @@ def generate_graph(model, input_ids: torch.Tensor, new_tokens: int, runtime: str
             cached = tokens.shape[1] - fed.shape[1]
             positions = _positions(rows, cached, tokens.shape[1], device)
             if runtime == "jit-trace":
-                out = (graphs.decode if step else graphs.prefill)(fed, positions, *flat)  # old tuple alive till here
+                out = (graphs.decode if step else graphs.prefill)(fed, positions, *kv)  # old tuple alive till here
                 next_logits = out[0].to(copy=True, dtype=torch.float32)
-                flat = kv = out[1:]  # the old tuple dies here
+                kv = out[1:]  # the old tuple dies here
                 del out
             elif runtime == "convert":
                 # The maintainers' suggestion: tuples -> cache object -> forward -> tuples. 5.x's
                 # DynamicCache copies the tuples it is given, while the caller still holds them.
-                cache = to_cache(past) if past else DynamicCache()
+                cache = to_cache(kv) if kv else DynamicCache()
                 outputs = model(input_ids=fed, position_ids=positions, use_cache=True, logits_to_keep=1,
                                 **{cache_argument(model): cache})
                 next_logits = outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32)
-                past = kv = to_tuples(cache)  # views: no copy
+                kv = to_tuples(cache)  # views: no copy
                 del cache, outputs
             else:
                 logits = graphs.prefill(input_ids=fed, cache_position=torch.arange(cached, tokens.shape[1],
@@ -218,7 +216,6 @@ VARIANTS = (("eager", "dynamic"), ("eager", "prealloc"), ("jit-trace", "tuple"),
 
 
 def decode_variant(model, input_ids, new_tokens, runtime, cache, graphs=None, meter=None) -> Generation:
-    """One greedy decode of a variant: kvlab's v5 loop for `eager`, a graph runtime otherwise."""
     check_runtime(runtime, cache)
     if runtime == "eager":
         return generate(model, input_ids, new_tokens, cache=cache, loop="v5", meter=meter)

@@ -13,13 +13,14 @@ import timeit
 import torch
 from transformers.cache_utils import DynamicCache
 
-from ..meter import MemoryMeter
+from ..compat import cache_argument, cache_from_outputs
+from ..meter import MemoryMeter, storage_bytes
 
 
-def random_tuples(layers: int, batch: int, kv_heads: int, length: int, head_dim: int, dtype=torch.float32):
-    """A tuple cache of random keys and values: ((k0, v0), (k1, v1), ...)."""
+def random_tuples(layers: int, batch: int, kv_heads: int, length: int, head_dim: int):
+    """A tuple cache of random float32 keys and values: ((k0, v0), (k1, v1), ...)."""
     shape = (batch, kv_heads, length, head_dim)
-    return tuple((torch.randn(shape).to(dtype), torch.randn(shape).to(dtype)) for _ in range(layers))
+    return tuple((torch.randn(shape), torch.randn(shape)) for _ in range(layers))
 
 
 def to_cache(tuples) -> DynamicCache:
@@ -34,7 +35,7 @@ def to_tuples(cache) -> tuple:
 
 def conversion_cost(tuples, repeats: int = 5) -> dict:
     """Bytes allocated (peak, counted by the live-storage meter) and median seconds of each direction."""
-    cache_bytes = sum(t.untyped_storage().nbytes() for pair in tuples for t in pair)
+    cache_bytes = storage_bytes(t for pair in tuples for t in pair)
     with MemoryMeter("cpu") as into:
         cache = to_cache(tuples)
     with MemoryMeter("cpu") as out:
@@ -52,22 +53,16 @@ def conversion_cost(tuples, repeats: int = 5) -> dict:
 
 
 def conversion_table(sizes_mib=(16, 64, 256), layers: int = 32, batch: int = 8, kv_heads: int = 32,
-                     head_dim: int = 4, dtype=torch.float32, repeats: int = 5):
-    """`conversion_cost` for caches of about `sizes_mib` MiB (the sequence length sets the size), as rows."""
-    per_token = 2 * layers * batch * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
-    rows = []
-    for size in sizes_mib:
-        length = max(1, round(size * 2**20 / per_token))
-        rows.append(dict(tokens=length, **conversion_cost(random_tuples(layers, batch, kv_heads, length, head_dim,
-                                                                        dtype), repeats)))
-    return rows
+                     head_dim: int = 4, repeats: int = 5):
+    """`conversion_cost` for float32 caches of about `sizes_mib` MiB (the sequence length sets the size), as rows."""
+    lengths = [max(1, round(size * 2**20 / (2 * layers * batch * kv_heads * head_dim * 4))) for size in sizes_mib]
+    return [dict(tokens=length, **conversion_cost(random_tuples(layers, batch, kv_heads, length, head_dim), repeats))
+            for length in lengths]
 
 
 def tuple_support(model) -> dict:
     """What the installed transformers still offers a tuple cache: the two conversion methods of <= 4.x's
     `DynamicCache`, and whether the model's forward accepts a tuple (after a prompt of 4 tokens)."""
-    from ..compat import cache_argument, cache_from_outputs
-
     ids = torch.zeros(1, 4, dtype=torch.long, device=model.device)
     with torch.inference_mode():
         tuples = to_tuples(cache_from_outputs(model(ids, use_cache=True)))
@@ -76,6 +71,6 @@ def tuple_support(model) -> dict:
             forward = "accepted"
         except Exception as error:  # whatever the release raises is the finding
             forward = f"fails: {type(error).__name__}: {error}"
-    return {"DynamicCache.from_legacy_cache": "exists" if hasattr(DynamicCache, "from_legacy_cache") else "absent",
-            "DynamicCache.to_legacy_cache": "exists" if hasattr(DynamicCache, "to_legacy_cache") else "absent",
-            "a tuple passed to the forward": forward}
+    found = {f"DynamicCache.{name}": "exists" if hasattr(DynamicCache, name) else "absent"
+             for name in ("from_legacy_cache", "to_legacy_cache")}
+    return found | {"a tuple passed to the forward": forward}

@@ -8,6 +8,9 @@ counters. It gives no kv / logits / other split: the profiler knows addresses, n
 
 from __future__ import annotations
 
+import bisect
+import itertools
+
 import torch
 from torch.profiler import record_function
 
@@ -17,16 +20,13 @@ from ..profiler import ProfiledAllocations
 STEP_MARK = "kvlab.step"
 
 
-class ProfilerMeter:
+class ProfilerMeter(ProfiledAllocations):
     """`with ProfilerMeter(model) as meter: ...; meter.step() ...` then `meter.report()` (CPU only)."""
 
     def __init__(self, model: torch.nn.Module | None = None):
+        super().__init__(mark=STEP_MARK)
         self.weights = weight_bytes(model) if model is not None else 0
         self._report: MemoryReport | None = None
-
-    def __enter__(self):
-        self._allocations = ProfiledAllocations(mark=STEP_MARK).__enter__()
-        return self
 
     def step(self):
         """Close one decoding step: a marker in the profile (the numbers are read at the end)."""
@@ -37,21 +37,14 @@ class ProfilerMeter:
         """Accepted for MemoryMeter's interface; the profiler cannot tell which tensor a block is."""
 
     def __exit__(self, *exc):
-        allocations, self._allocations = self._allocations, None
-        allocations.__exit__(*exc)
-        # The timeline: the allocator's events and the step marks in time order (an event before a mark at
-        # the same time); each mark closes a step with the live bytes then and the peak since the last mark.
-        live = step_peak = 0
-        timeline: list[StepMemory] = []
-        events = [(time, False, nbytes) for time, (_, nbytes) in zip(allocations.times, allocations.events)]
-        for _, is_mark, nbytes in sorted(events + [(time, True, 0) for time in allocations.marks], key=lambda e: e[:2]):
-            if is_mark:
-                timeline.append(StepMemory(len(timeline), live, step_peak))
-                step_peak = live
-            else:
-                live += nbytes
-                step_peak = max(step_peak, live)
-        self._report = MemoryReport("cpu", "profiler", self.weights, self.weights + allocations.peak_bytes, None,
+        super().__exit__(*exc)
+        # Live bytes after each of the allocator's events (time order); a step mark closes a step after every
+        # event up to its time, with the live bytes then and the peak since the last mark.
+        live = [0, *itertools.accumulate(nbytes for _, nbytes in self.events)]
+        ends = [bisect.bisect_right(self.times, mark) for mark in self.marks]
+        timeline = [StepMemory(step, live[end], max(live[start:end + 1]))
+                    for step, (start, end) in enumerate(zip([0, *ends], ends))]
+        self._report = MemoryReport("cpu", "profiler", self.weights, self.weights + self.peak_bytes, None,
                                     timeline, {"weights": self.weights})
         return False
 
@@ -62,7 +55,6 @@ class ProfilerMeter:
 
 
 def graph_meter(device: str, model=None):
-    """The meter for a graph runtime: the profiler on CPU, the CUDA allocator on CUDA."""
     kind = torch.device(device).type
     if kind == "cuda":
         return MemoryMeter(device, model, track_storages=False)
