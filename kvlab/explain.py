@@ -118,18 +118,17 @@ def _call(run, counter: _OpCounter, model=None) -> list[int]:
     """Run under `counter` with the cyclic collector off; return the op number at each start of `model`'s forward."""
     counter.outer_frame = sys._getframe()  # the names start below this frame
     starts = []
-    hook = model.register_forward_pre_hook(lambda *_: starts.append(len(counter.live_after))) if model else None
+    record_start = lambda *_: starts.append(len(counter.live_after))
+    hook = model.register_forward_pre_hook(record_start) if model else contextlib.nullcontext()
     gc.collect()
     enabled = gc.isenabled()
     gc.disable()
     try:
-        with contextlib.suppress(_Stop), counter:
+        with hook, contextlib.suppress(_Stop), counter:
             run()
     finally:
         if enabled:
             gc.enable()
-        if hook is not None:
-            hook.remove()
     return starts
 
 
@@ -154,7 +153,7 @@ def _look(counter: _OpCounter, op: str, dispatch_frame) -> Explanation:
         first = found[0][2] if found else next(iter(tensors[key]), None)
         holders = [name for _, name, _ in found] or [_referrer(first, tensors)]
         shape = "-" if first is None else f"{str(first.dtype).removeprefix('torch.')}{list(first.shape)}"
-        held.append(Held(nbytes, shape, nbytes if first is None else first.numel() * first.element_size(), holders))
+        held.append(Held(nbytes, shape, nbytes if first is None else first.nbytes, holders))
     held.sort(key=lambda h: -h.nbytes)
     caller = (ours or frames)[-1]
     where = f"{caller.f_code.co_qualname} ({_importable(caller.f_code.co_filename)}:{caller.f_lineno})"
@@ -171,19 +170,19 @@ def _locals(frames) -> list[tuple[str, object]]:
     return [(f"{f.f_code.co_qualname}: {name}", value) for f in frames for name, value in f.f_locals.items()]
 
 
-def _names(roots, live) -> dict[int, list[tuple[int, str]]]:
-    """id(tensor) -> [(root number, name)]: one name per direct holder (a local, or the container or object
-    that has it as item or attribute), the first root's; every frame below generate() reaches its cache."""
+def _names(roots, live) -> dict[int, dict]:
+    """id(tensor) -> {direct holder: (root number, name)}: one name per direct holder (a local, or the container
+    or object that has it as item or attribute), the first root's; every frame below generate() reaches its cache."""
     names = defaultdict(dict)
     for number, (root, value) in enumerate(roots):
         for path, tensor, parent in _tensors_under(value, live):
             names[id(tensor)].setdefault(parent or root, (number, root + path))
-    return defaultdict(list, {key: list(by_holder.values()) for key, by_holder in names.items()})
+    return names
 
 
 def _holders(tensors, names) -> list[tuple[int, str, torch.Tensor]]:
     """(root number, name, tensor) for every name of the tensors on one storage, outermost first."""
-    return sorted(((number, name, t) for t in tensors for number, name in names[id(t)]), key=lambda h: h[:2])
+    return sorted(((number, name, t) for t in tensors for number, name in names[id(t)].values()), key=lambda h: h[:2])
 
 
 def _referrer(tensor, tensors) -> str:
@@ -246,8 +245,8 @@ def explain_point(preset: str = "toy", overrides=None, batch: int = 2, prompt: i
     dtype = str(parse_dtype(dtype)).removeprefix("torch.")
     config = load_config(preset, overrides)  # raises on a bad preset or override before anything is built
     if engine in RELEASES:
-        spec = dict(model_type=config.model_type, config=release_values(config), batch=batch, prompt=prompt, new=new, dtype=dtype,
-                    step=step, seed=seed)
+        spec = dict(model_type=config.model_type, config=release_values(config), batch=batch, prompt=prompt,
+                    new=new, dtype=dtype, step=step, seed=seed)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(install_reference(engine)), str(ROOT)]))
         result = subprocess.run([sys.executable, "-m", "kvlab.explain", json.dumps(spec)], env=env,
                                 capture_output=True, text=True, check=False)
@@ -256,14 +255,14 @@ def explain_point(preset: str = "toy", overrides=None, batch: int = 2, prompt: i
         record = json.loads(result.stdout.strip().splitlines()[-1])
         return Explanation(**dict(record, held=[Held(**item) for item in record["held"]]))
     model = build_model(preset, overrides, dtype=dtype, seed=seed)
-    ids = _prompt(config.vocab_size, batch, prompt, seed)
+    ids = random_prompt(config.vocab_size, batch, prompt, seed)
     if engine == "kvlab":
         from .loops import generate
         return explain(lambda: generate(model, ids, new, cache=cache, loop=loop), model=model, step=step)
     return explain_generate(model, ids, new, step)
 
 
-def _prompt(vocab_size: int, batch: int, prompt: int, seed: int) -> torch.Tensor:  # as kvlab.lab.point draws it
+def random_prompt(vocab_size: int, batch: int, prompt: int, seed: int) -> torch.Tensor:  # as kvlab.lab.point does
     return torch.randint(0, vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(seed))
 
 
@@ -290,7 +289,7 @@ def _release_worker(spec: dict) -> Explanation:
     config = AutoConfig.for_model(spec["model_type"], **spec["config"], attn_implementation="sdpa")
     torch.manual_seed(spec["seed"])
     model = AutoModelForCausalLM.from_config(config, torch_dtype=getattr(torch, spec["dtype"])).eval()
-    ids = _prompt(config.vocab_size, spec["batch"], spec["prompt"], spec["seed"])
+    ids = random_prompt(config.vocab_size, spec["batch"], spec["prompt"], spec["seed"])
     return explain_generate(model, ids, spec["new"], spec["step"])
 
 

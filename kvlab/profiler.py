@@ -77,7 +77,6 @@ class ProfiledAllocations:
             self.times.append(event["ts"])
             self.live_bytes += nbytes
             self.peak_bytes = max(self.peak_bytes, self.live_bytes)
-        return False
 
 
 def profiler_peak(fn, *args, **kwargs) -> int:

@@ -18,12 +18,13 @@ from __future__ import annotations
 import datetime
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 import torch
 
 from .compat import cache_argument
-from .explain import explain, generate_call
+from .explain import explain, generate_call, random_prompt
 from .meter import MemoryMeter, weight_bytes
 from .models import build_model, kv_bytes_per_token
 from .theory import windows
@@ -65,87 +66,71 @@ def final_cache_bytes(config, batch: int, prompt: int, new: int, dtype: str) -> 
     return sum(per_layer * (tokens if window is None else min(tokens, window - 1)) for window in windows(config))
 
 
-def metered(run, model, cache_sizes: list | None = None) -> tuple[int, list[tuple[int, int]]]:
-    """Peak bytes above the weights, and (live bytes at its start, peak bytes) for each forward of `model`;
-    `cache_sizes` gets (storage bytes, bytes shown) of the cache's keys and values after each forward."""
+def metered(run, model) -> tuple[int, list[tuple[int, int]]]:
+    """Peak bytes above the weights, and (live bytes at its start, peak bytes) for each forward of `model`."""
     meter = MemoryMeter("cpu", model)
-    hooks = [model.register_forward_pre_hook(lambda *_: meter.step())]
-    if cache_sizes is not None:
-        hooks.append(_record_cache(model, cache_sizes))
-    try:
-        with torch.inference_mode(), meter:
-            run()
-            meter.step()
-    finally:
-        for hook in hooks:
-            hook.remove()
-    timeline = meter.report().timeline
-    forwards = [(before.live_bytes, after.peak_bytes) for before, after in zip(timeline, timeline[1:])]
-    return meter.report().overhead_bytes, forwards
+    with model.register_forward_pre_hook(lambda *_: meter.step()), torch.inference_mode(), meter:
+        run()
+        meter.step()
+    report = meter.report()
+    forwards = [(before.live_bytes, after.peak_bytes) for before, after in zip(report.timeline, report.timeline[1:])]
+    return report.overhead_bytes, forwards
 
 
 def _record_cache(model, sizes: list):
-    """A forward hook appending `_cache_sizes` of the forward's cache to `sizes` after each forward."""
-    return model.register_forward_hook(
-        lambda module, args, kwargs, out: sizes.append(_cache_sizes(kwargs.get(cache_argument(module)))),
-        with_kwargs=True)
+    """A forward hook (its handle a context manager) appending to `sizes`, after each forward, (bytes of the
+    storages under the transformers cache's keys and values, bytes those tensors show)."""
+    def record(module, args, kwargs, out):
+        cache = kwargs.get(cache_argument(module))
+        tensors = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
+        storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
+        sizes.append((sum(storages.values()), sum(t.nbytes for t in tensors)))
+    return model.register_forward_hook(record, with_kwargs=True)
 
 
-def _cache_sizes(cache) -> tuple[int, int]:
-    """(bytes of the storages under a transformers cache's keys and values, bytes those tensors show)."""
-    tensors = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
-    storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
-    return sum(storages.values()), sum(t.nbytes for t in tensors)
-
-
-def split_peak(explanation, final_cache: int, step_activations: int | None) -> dict:
+def split_peak(explanation) -> dict:
     """The storages at the peak as the rows' terms: cache tensors, storage they do not show, the op's output where
-    the op updates the cache, and the rest (activations)."""
-    cache_shown = cache_hidden = op_out = rest = 0
-    others = {}  # holder name (indices as [i]) -> bytes, for the activations' largest holders
+    the op updates the cache, and the rest (activations), with the rest's three largest holders."""
+    parts = dict.fromkeys(("cache_shown", "cache_hidden", "op_out", "rest"), 0)
+    others = Counter()  # holder name (indices as [i]) -> bytes
     cache_op = "cache_utils.py" in explanation.where
     for item in explanation.held:
         if any(CACHE_TENSOR.search(name) for name in item.holders):
-            cache_shown += item.tensor_bytes
-            cache_hidden += item.nbytes - item.tensor_bytes
+            parts["cache_shown"] += item.tensor_bytes
+            parts["cache_hidden"] += item.nbytes - item.tensor_bytes
         elif cache_op and item.holders[0] == f"{explanation.op}: out":
-            op_out += item.nbytes
+            parts["op_out"] += item.nbytes
         else:
-            rest += item.nbytes
-            holder = re.sub(r"\[\d+\]", "[i]", item.holders[0])
-            others[holder] = others.get(holder, 0) + item.nbytes
-    if step_activations is None:  # the peak is a decode step: its activations are one step's
-        step_activations = rest
-    largest = sorted(others.items(), key=lambda item: -item[1])[:3]
-    return dict(cache_shown=cache_shown, cache_hidden=cache_hidden, op_out=op_out, rest=rest,
-                step_activations=step_activations, final_cache=final_cache,
-                largest="; ".join(f"{name} {nbytes / 2**20:.2f} MiB" for name, nbytes in largest))
+            parts["rest"] += item.nbytes
+            others[re.sub(r"\[\d+\]", "[i]", item.holders[0])] += item.nbytes
+    largest = "; ".join(f"{name} {nbytes / 2**20:.2f} MiB" for name, nbytes in others.most_common(3))
+    return dict(parts, largest=largest)
 
 
 def measure_point(name: str, point: dict | None = None) -> list[dict]:
     """The rows of one point: POINTS[name], or `point` given in the same form (see the module's docstring)."""
     point = point or POINTS[name]
-    torch.manual_seed(0)
     model = build_model(point["preset"], point["overrides"], dtype=COMMON["dtype"], seed=COMMON["seed"])
-    ids = torch.randint(0, model.config.vocab_size, (COMMON["batch"], point["prompt"]),
-                        generator=torch.Generator().manual_seed(COMMON["seed"]))
+    ids = random_prompt(model.config.vocab_size, COMMON["batch"], point["prompt"], COMMON["seed"])
     beams = point["generate"].get("num_beams", 1)
     run = generate_call(model, ids, point["new"], **point["generate"])
     sizes = []
-    peak, forwards = metered(run, model, sizes)
+    with _record_cache(model, sizes):
+        peak, forwards = metered(run, model)
     with torch.inference_mode():
         explanation = explain(run, model=model)
     final = final_cache_bytes(model.config, COMMON["batch"] * beams, point["prompt"], point["new"], COMMON["dtype"])
-    last_start, last_peak = forwards[-1]
-    parts = split_peak(explanation, final, None if explanation.forward else last_peak - last_start)
-    fixes = {fix: FIXES[fix](model, ids, point) for fix in point["fix"]}
+    parts = split_peak(explanation)
+    # At a decode step's peak the rest is one step's activations; at the prompt's, the last forward's rise is.
+    step_activations = parts["rest"] if explanation.forward else forwards[-1][1] - forwards[-1][0]
     weights = weight_bytes(model)
+    retained = sizes[0][0] - sizes[0][1]
     op = explanation.op.removeprefix("aten.").split(".")[0]
     at = explanation.where.split(" (")[0]
     rows = [
         ("baseline", "weights", weights, "the model's parameters and buffers", ""),
-        ("baseline", "final cache", parts["final_cache"], "from the shapes: what generate() ends with", ""),
-        ("baseline", "one step's activations", parts["step_activations"],
+        ("baseline", "final cache", final, "from the shapes: what generate() ends with", ""),
+        ("baseline", "one step's activations", step_activations,
          "the last decode step" if not explanation.forward else "not cache, at the peak", ""),
         *([("term", f"the cache update's {op} output", parts["op_out"], f"{explanation.op}: out, in {at}",
             UPSTREAM.get(op, ""))] if parts["op_out"] else []),
@@ -153,18 +138,18 @@ def measure_point(name: str, point: dict | None = None) -> list[dict]:
          "cache .layers[i].keys/values: views of longer buffers", UPSTREAM["view"]),
         ("term", "cache tensors beyond the final cache", parts["cache_shown"] - final,
          "cache .layers[i].keys/values (negative: not yet grown)", UPSTREAM["capacity"] if "static" in name else ""),
-        ("term", "activations above one step's", parts["rest"] - parts["step_activations"],
+        ("term", "activations above one step's", parts["rest"] - step_activations,
          f"forward {explanation.forward} (0: the prompt's); largest: {parts['largest']}",
          UPSTREAM["activations"] if beams > 1 else
          UPSTREAM["prefill"] if explanation.forward == 0 else ""),
         ("check", "peak (the meter, its own run)", weights + peak, "MemoryMeter, live storages", ""),
+        ("note", "peak of the prompt's forward", weights + forwards[0][1], "the meter, forward 0", ""),
+        ("note", "storage the cache's tensors do not show after the prompt's forward", retained,
+         f"the cache after forward 0: {sizes[0][0]} bytes of storage, {sizes[0][1]} shown",
+         UPSTREAM["view"] if retained else ""),
     ]
-    rows.append(("note", "peak of the prompt's forward", weights + forwards[0][1], "the meter, forward 0", ""))
-    retained = sizes[0][0] - sizes[0][1]
-    rows.append(("note", "storage the cache's tensors do not show after the prompt's forward", retained,
-                 f"the cache after forward 0: {sizes[0][0]} bytes of storage, {sizes[0][1]} shown",
-                 UPSTREAM["view"] if retained else ""))
-    for fix, fix_peak in fixes.items():
+    for fix in point["fix"]:
+        fix_peak = FIXES[fix](model, ids, point)
         if fix == "beam-prefill-once":  # it changes the prompt's forward only: the later forwards stay
             rows.append(("note", "peak of the prompt's forward, with the fix", weights + fix_peak,
                          FIXES[fix].__doc__.split(",")[0].strip(), UPSTREAM["activations"]))
@@ -227,9 +212,15 @@ def main(names=None) -> None:
 
     from .lab.store import append_run
     torch.set_num_threads(1)
-    names = names or list(POINTS)
     started = datetime.datetime.now(datetime.timezone.utc)
     OUT.mkdir(parents=True, exist_ok=True)
+    if names == ["growth"]:
+        cache_growth(every=8).to_csv(OUT / "cache_growth.csv", index=False)
+        append_run(OUT, "python -m kvlab.waste growth", started, "cpu", results_file="cache_growth.csv",
+                   what="kvlab.waste.cache_growth: the storage under transformers' own DynamicCache after every 8th "
+                        "forward of generate(), bf16, batch 1", **GROWTH)
+        return
+    names = names or list(POINTS)
     path = OUT / "waste.csv"
     for name in names:
         rows = pd.DataFrame(measure_point(name), columns=COLUMNS)
@@ -243,19 +234,6 @@ def main(names=None) -> None:
                     "under the meter; live-storage counter, one thread", results_file="waste.csv")
 
 
-def cache_storage_by_step(model, ids: torch.Tensor, new: int, **options) -> list[int]:
-    """transformers' own generate(): the bytes of the storages under its cache's keys and values after each forward
-    (a view counts its whole storage, as memory does), one value per forward."""
-    sizes = []
-    hook = _record_cache(model, sizes)
-    try:
-        with torch.inference_mode():
-            generate_call(model, ids, new, **options)()
-    finally:
-        hook.remove()
-    return [storage for storage, _ in sizes]
-
-
 # The cache against generated tokens: a full-attention model beside today's all-sliding (Mistral-7B-v0.1, its
 # window 4096 cut to 512 so that the plateau comes within minutes on a CPU) and hybrid (Gemma-3-4B: 5 sliding
 # layers of window 1024, then 1 full) layouts.
@@ -266,41 +244,24 @@ GROWTH = dict(presets=["llama2-7b-twin", "mistral-7b-v0.1-twin", "gemma-3-4b-twi
 def cache_growth(presets=GROWTH["presets"], prompt: int = GROWTH["prompt"], new: int = GROWTH["new"],
                  every: int = 1, overrides: dict | None = GROWTH["overrides"]) -> "pd.DataFrame":
     """For each preset (bf16, batch 1; `overrides` maps a preset to its config overrides), the storage of
-    transformers' own DynamicCache after each forward of generate(): one row per forward (every `every`-th),
-    with the tokens the model has seen by then and what the cache would hold with every layer full."""
+    transformers' own DynamicCache after each forward of generate() (a view counts its whole storage, as memory
+    does): one row per forward (every `every`-th), with the tokens the model has seen by then and what the cache
+    would hold with every layer full."""
     import pandas as pd
     rows = []
     for preset in presets:
-        model = build_model(preset, (overrides or {}).get(preset), dtype=COMMON["dtype"], seed=COMMON["seed"])
-        ids = torch.randint(0, model.config.vocab_size, (COMMON["batch"], prompt),
-                            generator=torch.Generator().manual_seed(COMMON["seed"]))
-        sizes = cache_storage_by_step(model, ids, new)
-        rows += [dict(preset=preset, overrides=_text((overrides or {}).get(preset, {})), forward=i, tokens=prompt + i, cache_storage_bytes=size,
-                      full_cache_bytes=final_cache_bytes(_full(model.config), COMMON["batch"], prompt + i, 1,
-                                                         COMMON["dtype"]))
-                 for i, size in enumerate(sizes) if i % every == 0 or i == len(sizes) - 1]
+        preset_overrides = (overrides or {}).get(preset) or {}
+        model = build_model(preset, preset_overrides, dtype=COMMON["dtype"], seed=COMMON["seed"])
+        ids = random_prompt(model.config.vocab_size, COMMON["batch"], prompt, COMMON["seed"])
+        sizes = []
+        with _record_cache(model, sizes), torch.inference_mode():
+            generate_call(model, ids, new)()
+        token = kv_bytes_per_token(model.config, COMMON["batch"], COMMON["dtype"])  # every layer's, full attention
+        rows += [dict(preset=preset, overrides=_text(preset_overrides), forward=i, tokens=prompt + i,
+                      cache_storage_bytes=storage, full_cache_bytes=token * (prompt + i))
+                 for i, (storage, _) in enumerate(sizes) if i % every == 0 or i == len(sizes) - 1]
     return pd.DataFrame(rows)
 
 
-def _full(config):
-    """The same config with every layer attending to everything: the cache a full-attention model would hold."""
-    config = config.__class__.from_dict(config.to_dict())
-    config.sliding_window = None
-    if getattr(config, "layer_types", None):
-        config.layer_types = ["full_attention"] * config.num_hidden_layers
-    return config
-
-
-def main_growth() -> None:
-    from .lab.store import append_run
-    torch.set_num_threads(1)
-    started = datetime.datetime.now(datetime.timezone.utc)
-    OUT.mkdir(parents=True, exist_ok=True)
-    cache_growth(every=8).to_csv(OUT / "cache_growth.csv", index=False)
-    append_run(OUT, "python -m kvlab.waste growth", started, "cpu", results_file="cache_growth.csv",
-               what="kvlab.waste.cache_growth: the storage under transformers' own DynamicCache after every 8th "
-                    "forward of generate(), bf16, batch 1", **GROWTH)
-
-
 if __name__ == "__main__":
-    main_growth() if sys.argv[1:] == ["growth"] else main(sys.argv[1:])
+    main(sys.argv[1:])
