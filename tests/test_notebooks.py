@@ -174,3 +174,18 @@ def test_kvlab_refusal_shows_only_kvlab_own_refusals():
         kvlab_refusal(lambda: int("raised here"))
     with pytest.raises(AssertionError, match="accepted"):
         kvlab_refusal(lambda: None)
+
+
+def test_timeline_panels_share_a_y_axis_that_fits_the_highest_design():
+    """A later panel's higher peak is not clipped by the first panel's range (the notebooks happen to put the
+    highest design first)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    from kvlab.meter import MemoryReport, StepMemory
+    from kvlab.notebook.plots import plot_timelines
+
+    def report(mib):
+        return MemoryReport("cpu", "live-storages", 0, 0, None, [StepMemory(i, i * mib * 2**20, (i + 1) * mib * 2**20)
+                                                                for i in range(5)])
+    fig = plot_timelines({"low": report(1), "high": report(10)})
+    assert all(ax.get_ylim()[0] == 0 and ax.get_ylim()[1] >= 50 for ax in fig.axes[:2])

@@ -3,6 +3,8 @@ the measurements themselves come from kvlab.lab.point and kvlab.meter)."""
 
 from __future__ import annotations
 
+import inspect
+
 import pandas as pd
 import seaborn as sns
 import torch
@@ -23,20 +25,15 @@ class BytesWritten(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.bytes = 0
-        self.by_op: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func.overloadpacket.__name__ in NO_WRITE:
             return out
         outputs = out if isinstance(out, (tuple, list)) else (out,)
-        written = sum(leaf.numel() * leaf.element_size() for ret, value in zip(func._schema.returns, outputs)
-                      if ret.alias_info is None or ret.alias_info.is_write  # else a view: no bytes move
-                      for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
-        if written:
-            self.bytes += written
-            name = func.overloadpacket.__name__
-            self.by_op[name] = self.by_op.get(name, 0) + written
+        self.bytes += sum(leaf.numel() * leaf.element_size() for ret, value in zip(func._schema.returns, outputs)
+                          if ret.alias_info is None or ret.alias_info.is_write  # else a view: no bytes move
+                          for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
         return out
 
 
@@ -76,10 +73,7 @@ def kvlab_refusal(call) -> str:
     try:
         call()
     except ValueError as error:
-        frame = error.__traceback__
-        while frame.tb_next:  # the innermost frame: where the error was raised
-            frame = frame.tb_next
-        raised_in = frame.tb_frame.f_globals["__name__"]
+        raised_in = inspect.trace(0)[-1].frame.f_globals["__name__"]  # the innermost frame: where it was raised
         if not raised_in.startswith("kvlab."):
             raise
         return f"ValueError from {raised_in}: {error}"

@@ -20,61 +20,55 @@ DESIGNS = [f"{cache} / {loop}" for cache, loop in experiment.DESIGNS]
 MARKERS = "osD^vPX*"
 # Before and after PR #30536, as released: the ratio the PR reports.
 BASELINE, FIXED = ("tuple", "v4.40"), ("dynamic", "v4.42")
-
-
 WIDTH = 10  # inches: ≈ 1000 px at the notebooks' 100 dpi, the most a notebook shows without shrinking labels
-CATEGORY_COLORS = {"weights": "tab:gray", "kv": "tab:blue", "logits": "tab:orange", "other": "tab:green"}
+CATEGORY_COLORS = {"kv": "tab:blue", "logits": "tab:orange", "other": "tab:green"}  # at the peak, weights aside
+KV_LINE_STYLES = {1: ":", 2: "--", 3: "-."}
 
 
-def plot_timelines(reports: dict, kv_bytes: int | None = None, title: str = "", ncols: int | None = None,
+def plot_timelines(reports: dict, kv_bytes: int | None = None, title: str = "",
                    ylabel: str = "memory above the weights (MiB)", kv_label: str = "final KV",
                    xlabel: str = "decoding step (0 = the prompt's forward)", multiples=(1, 2)):
     """One panel per design: live bytes at each step's end and the peak inside the step (MiB), y from zero;
     `kv_bytes`: black lines at `multiples` of it, over the data, so a line on a reference is seen to be.
-    At most 3 panels a row (2 for 4 designs), WIDTH wide in all. matplotlib, not seaborn's relplot: the series
-    differ in marker and width; one legend holds the references."""
-    names = list(reports)
-    ncols = ncols or (2 if len(names) == 4 else min(len(names), 3))
-    nrows = -(-len(names) // ncols)
-    fig, axes = plt.subplots(nrows, ncols, figsize=(WIDTH, 2.7 * nrows + 0.9), sharey=True, squeeze=False)
-    styles = {1: ":", 2: "--", 3: "-."}
-    for ax, name in zip(axes.flat, names):
-        timeline = reports[name].timeline
-        steps = [s.step for s in timeline]
-        ax.plot(steps, [s.peak_bytes / MIB for s in timeline], color="tab:red", marker=".", markersize=3,
+    At most 3 panels a row (2 for 4 designs). matplotlib, not seaborn's relplot: the series differ in marker
+    and width; one legend holds the references."""
+    ncols = 2 if len(reports) == 4 else min(len(reports), 3)
+    nrows = -(-len(reports) // ncols)
+    height = 2.7 * nrows + 0.9
+    fig, axes = plt.subplots(nrows, ncols, figsize=(WIDTH, height), sharey=True, squeeze=False)
+    for ax, (name, report) in zip(axes.flat, reports.items()):
+        steps = pd.DataFrame(report.timeline)
+        ax.plot(steps["step"], steps["peak_bytes"] / MIB, color="tab:red", marker=".", markersize=3,
                 linewidth=1.2, label="peak inside the step")
-        ax.plot(steps, [s.live_bytes / MIB for s in timeline], color="tab:blue", linewidth=1.6,
+        ax.plot(steps["step"], steps["live_bytes"] / MIB, color="tab:blue", linewidth=1.6,
                 label="live at the step's end")
         for multiple in multiples if kv_bytes else ():
-            ax.axhline(multiple * kv_bytes / MIB, color="black", linestyle=styles.get(multiple, ":"), linewidth=1,
-                       zorder=4, label=f"{multiple}x {kv_label}")
+            ax.axhline(multiple * kv_bytes / MIB, color="black", linestyle=KV_LINE_STYLES.get(multiple, ":"),
+                       linewidth=1, zorder=4, label=f"{multiple}x {kv_label}")
         ax.set_title(name, fontsize=10)
-        ax.set(ylim=(0, None))
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    for i, ax in enumerate(axes.flat):
-        if i >= len(names):
-            ax.set_visible(False)
-        elif i + ncols >= len(names):  # the lowest panel of its column
-            ax.set_xlabel(xlabel)
+    axes.flat[0].set_ylim(bottom=0)  # after every panel is drawn: the shared axis then fits the highest
+    for ax in axes.flat[len(reports):]:
+        ax.set_visible(False)
+    for ax in axes.flat[len(reports) - ncols:len(reports)]:  # the lowest panel of each column
+        ax.set_xlabel(xlabel)
     for ax in axes[:, 0]:
         ax.set_ylabel(ylabel)
     handles, labels = axes.flat[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
     if title:
         fig.suptitle(title, fontsize=11)
-    fig.tight_layout(rect=(0, 0.5 / (2.7 * nrows + 0.9), 1, 1))
+    fig.tight_layout(rect=(0, 0.5 / height, 1, 1))
     return fig
 
 
-def plot_at_peak(reports: dict, title: str = "", include_weights: bool = False):
-    """Stacked horizontal bars (pandas): what was live at each design's peak, by category (MiB)."""
-    categories = ["weights", "kv", "logits", "other"] if include_weights else ["kv", "logits", "other"]
-    df = pd.DataFrame({name: {c: report.at_peak.get(c, 0) / MIB for c in categories}
+def plot_at_peak(reports: dict, title: str = ""):
+    """Stacked horizontal bars (pandas): what was live at each design's peak besides the weights (MiB)."""
+    df = pd.DataFrame({name: {c: report.at_peak.get(c, 0) / MIB for c in CATEGORY_COLORS}
                        for name, report in reports.items()}).T
     ax = df.plot.barh(stacked=True, color=CATEGORY_COLORS, width=0.8, figsize=(8, 0.5 * len(df) + 1.4))
     ax.invert_yaxis()
-    ax.set(xlabel="bytes live at the peak (MiB)" + ("" if include_weights else ", weights excluded"),
-           ylabel="cache / loop")
+    ax.set(xlabel="bytes live at the peak (MiB), weights excluded", ylabel="cache / loop")
     ax.set_title(title, fontsize=10)
     ax.legend(loc="lower right", fontsize=9)
     ax.figure.tight_layout()
@@ -92,26 +86,31 @@ def _config(row):
 
 
 def refresh_predictions(df: pd.DataFrame) -> pd.DataFrame:
-    """Recompute `predicted_overhead_bytes` with the installed kvlab.theory (the recorded value is kept
-    as `recorded_prediction_bytes`): a prediction is a function of the parameters, so it can follow
-    the model as it improves without measuring again."""
+    """`predicted_overhead_bytes` from the installed kvlab.theory, the recorded one kept as
+    `recorded_prediction_bytes`: a prediction is a function of the parameters, so it follows the theory as it
+    improves without measuring again."""
     def predict(row):
         return theory.predict_overhead(_config(row), **{key: row[key] for key in theory.POINT_KEYS if key in row})
     return df.assign(recorded_prediction_bytes=df["predicted_overhead_bytes"],
                      predicted_overhead_bytes=df.apply(predict, axis=1))
 
 
-def series(df: pd.DataFrame, vary: str) -> pd.DataFrame:
-    """The rows where only `vary` changes: per preset and dtype, the setting of the other sizes that
-    has the most distinct values of `vary` (a table may hold several sweeps)."""
+def _series_parts(df: pd.DataFrame, vary: str) -> list[pd.DataFrame]:
+    """`series`, one part per preset and dtype; none where `vary` never varies."""
     others = [size for size in SIZES if size != vary]
     parts = []
     for _, group in df.groupby(["preset", "dtype"], sort=False):
         counts = group.groupby(others)[vary].nunique()
-        if counts.max() < 2:
-            continue
-        setting = dict(zip(others, counts.idxmax()))
-        parts.append(group[(group[others] == pd.Series(setting)).all(axis=1)])
+        if counts.max() > 1:
+            setting = pd.Series(dict(zip(others, counts.idxmax())))
+            parts.append(group[(group[others] == setting).all(axis=1)])
+    return parts
+
+
+def series(df: pd.DataFrame, vary: str) -> pd.DataFrame:
+    """The rows where only `vary` changes: per preset and dtype, the setting of the other sizes that
+    has the most distinct values of `vary` (a table may hold several sweeps)."""
+    parts = _series_parts(df, vary)
     if not parts:
         raise ValueError(f"no rows where {vary} varies with the other sizes fixed")
     return pd.concat(parts).sort_values(vary)
@@ -119,28 +118,22 @@ def series(df: pd.DataFrame, vary: str) -> pd.DataFrame:
 
 def varying_sizes(df: pd.DataFrame) -> list[str]:
     """The sizes this table holds a series for (a sweep may vary only some of them)."""
-    found = []
-    for vary in SIZES:
-        try:
-            series(measured(df), vary)
-            found.append(vary)
-        except ValueError:
-            pass
-    return found
+    return [vary for vary in SIZES if _series_parts(measured(df), vary)]
 
 
-def _in_kv(rows: pd.DataFrame) -> pd.DataFrame:
-    """Peak above the weights ÷ the point's final KV cache, measured and predicted: the one normalisation."""
-    return rows.assign(measured_x=rows["overhead_bytes"] / rows["kv_final_bytes"],
-                       theory_x=rows["predicted_overhead_bytes"] / rows["kv_final_bytes"])
+def _held(row, vary: str) -> str:
+    """The sizes a series holds fixed, as in "batch size 1, prompt length 300"."""
+    return ", ".join(f"{AXIS_NAMES[size].split(' (')[0]} {row[size]}" for size in SIZES if size != vary)
 
 
-def overhead_figure(df: pd.DataFrame, vary: str = "new", title: str = ""):
+def overhead_figure(df: pd.DataFrame, vary: str = "new"):
     """Peak above the weights ÷ final KV against one size, in two panels so that no design hides another: the
     PR's comparison (the loops of v4.40 and v4.42: the tuple cache on 2x, one cache object near 1x, y from zero)
     and today's loop with every design (v5: all near 1x, the y axis zoomed so that they separate). Measured:
     markers on a line; kvlab.theory: a thin black dash over each."""
-    rows = _in_kv(series(measured(df), vary))
+    rows = series(measured(df), vary)
+    rows = rows.assign(measured_x=rows["overhead_bytes"] / rows["kv_final_bytes"],
+                       theory_x=rows["predicted_overhead_bytes"] / rows["kv_final_bytes"])
     several = rows["preset"].nunique() > 1
     panels = [("before and after the PR (loops v4.40, v4.42)", rows[rows["loop"] != "v5"]),
               ("today's loop (v5), every design (y zoomed)", rows[rows["loop"] == "v5"])]
@@ -149,7 +142,7 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new", title: str = ""):
     designs = [d for d in DESIGNS if d in set(rows["design"])] + sorted(set(rows["design"]) - set(DESIGNS))
     colours = dict(zip(designs, sns.color_palette("tab10", len(designs))))
     for ax, (name, part) in zip(axes[0], panels):
-        for i, ((preset, design), line) in enumerate(part.groupby(["preset", "design"], sort=False)):
+        for (preset, design), line in part.groupby(["preset", "design"], sort=False):
             label = f"{design} ({preset})" if several else design
             ax.plot(line[vary], line["measured_x"], "-", marker=MARKERS[designs.index(design) % len(MARKERS)],
                     markersize=7, fillstyle="none", markeredgewidth=1.5, color=colours[design], label=label)
@@ -167,9 +160,8 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new", title: str = ""):
         ax.legend(fontsize=9, loc="best")
     axes[0][0].set_ylabel("peak above the weights ÷ final KV (x)")
     first = rows.iloc[0]
-    fixed = ", ".join(f"{AXIS_NAMES[size].split(' (')[0]} {first[size]}" for size in SIZES if size != vary)
-    fig.suptitle(title or f"Peak against {AXIS_NAMES[vary]}, in final KV caches: {first['preset']} {first['dtype']} "
-                 f"on {first['device']}, {fixed}", fontsize=11)
+    fig.suptitle(f"Peak against {AXIS_NAMES[vary]}, in final KV caches: {first['preset']} {first['dtype']} "
+                 f"on {first['device']}, {_held(first, vary)}", fontsize=11)
     fig.tight_layout()
     return fig
 
@@ -219,21 +211,19 @@ def improvement_figure(df: pd.DataFrame, sizes=SIZES, title: str = ""):
                 ax.plot(part[vary], part[bound], "--", color="black", linewidth=0.8)
             ax.plot(part[vary], part["measured"], "o-", color=colour, zorder=4,
                     label=f"measured ({preset})" if several else "measured")
-            for name, value in _pr_factors(preset).items():
+            for value in _pr_factors(preset).values():
                 ax.plot(1.0, value, "<", color="grey", markersize=9, clip_on=False, zorder=5,
                         transform=ax.get_yaxis_transform())
         ax.set(ylim=(1, 2.1), xlim=(0, None), xlabel=AXIS_NAMES[vary])
-        first = table.iloc[0]
-        ax.set_title(", ".join(f"{AXIS_NAMES[k].split(' (')[0]} {first[k]}" for k in SIZES if k != vary), fontsize=10)
+        ax.set_title(_held(table.iloc[0], vary), fontsize=10)
     axes[0][0].set_ylabel("peak of tuple / v4.40 ÷ peak of dynamic / v4.42 (x)")
+    first = next(iter(tables.values())).iloc[0]
     handles, labels = axes[0][0].get_legend_handles_labels()
-    presets = list(dict.fromkeys(t["preset"].iloc[0] for t in tables.values()))
-    stated = ", ".join(f"{name} {value:g}" for name, value in _pr_factors(presets[0]).items())
+    stated = ", ".join(f"{name} {value:g}" for name, value in _pr_factors(first["preset"]).items())
     handles += [plt.Line2D([], [], linestyle="--", color="black", linewidth=0.8),
                 plt.Line2D([], [], marker="<", color="grey", linestyle="", markersize=9)]
     labels += ["kvlab.theory: minimal and maximal factors", f"PR #30536's own factors ({stated})"]
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
-    first = next(iter(tables.values())).iloc[0]
     fig.suptitle(title or f"How much the PR saved, measured: {first['preset']} {first['dtype']} on {first['device']}",
                  fontsize=11)
     fig.tight_layout(rect=(0, 0.08, 1, 1))
@@ -242,8 +232,7 @@ def improvement_figure(df: pd.DataFrame, sizes=SIZES, title: str = ""):
 
 def compare_figure(df: pd.DataFrame):
     """Measured overhead above the weights per design, with the analytic prediction and 1x / 2x KV."""
-    df = df.assign(design=df["cache"] + " / " + df["loop"],
-                   measured=df["overhead_bytes"] / MIB, predicted=df["predicted_overhead_bytes"] / MIB)
+    df = measured(df).assign(measured=df["overhead_bytes"] / MIB, predicted=df["predicted_overhead_bytes"] / MIB)
     kv = df["kv_final_bytes"].iloc[0] / MIB
     fig, ax = plt.subplots(figsize=(8, 4))
     sns.barplot(data=df, y="design", x="measured", color="tab:blue", ax=ax, label="measured")
@@ -266,10 +255,10 @@ MODE_STYLES = {"hf-static": ("tab:red", "o", None), "reused": ("tab:blue", "s", 
                "reused-max": ("tab:purple", "^", (1, 2)), "dynamic": ("tab:green", "D", (3, 1, 1, 1))}
 
 
-def mode_lines(ax, df: pd.DataFrame, x: str, y: str, modes=None):
+def mode_lines(ax, df: pd.DataFrame, x: str, y: str):
     """One line per stream mode of `df` (column `mode`), in MODES' order: its colour, dash and a hollow marker
     that shrinks from mode to mode, so that modes whose lines coincide all stay visible."""
-    present = [mode for mode in (modes or MODE_STYLES) if mode in set(df["mode"])]
+    present = [mode for mode in MODE_STYLES if mode in set(df["mode"])]
     for i, mode in enumerate(present):
         line = df[df["mode"] == mode].sort_values(x)
         color, marker, dashes = MODE_STYLES[mode]
@@ -281,7 +270,7 @@ def mode_lines(ax, df: pd.DataFrame, x: str, y: str, modes=None):
     return ax
 
 
-def waste_figure(table: pd.DataFrame, title: str = ""):
+def waste_figure(table: pd.DataFrame):
     """What is alive at the peak of each point of a `kvlab.waste` table, above the weights, in units of the point's
     final cache (so that points of different sizes compare): the cache's tensors, the storage they do not show,
     the cache update's op output, one step's activations and the activations above them; a tick at each fix's
@@ -319,8 +308,7 @@ def waste_figure(table: pd.DataFrame, title: str = ""):
     ax.invert_yaxis()
     ax.set_xlim(0, ax.get_xlim()[1] * 1.08)
     ax.set_xlabel("alive at the peak, above the weights (x the point's final cache)")
-    ax.set_title(title or "What fills the peak of transformers' own generate() (5.24): twins, bf16, CPU, batch 1",
-                 fontsize=10)
+    ax.set_title("What fills the peak of transformers' own generate() (5.24): twins, bf16, CPU, batch 1", fontsize=10)
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
     fig.tight_layout()
     return fig
@@ -332,7 +320,7 @@ def _point_label(row) -> str:
     return f"{row['preset']}{window}\nprompt {row['prompt']}, {row['new']} new{options}"
 
 
-def cache_growth_figure(growth: pd.DataFrame, title: str = ""):
+def cache_growth_figure(growth: pd.DataFrame):
     """The storage of transformers' DynamicCache against the tokens seen, one line per model, beside what the
     same model would hold with every layer full (dotted). MiB from zero."""
     fig, ax = plt.subplots(figsize=(8.5, 4.5))
@@ -345,13 +333,13 @@ def cache_growth_figure(growth: pd.DataFrame, title: str = ""):
                     label=f"{name}, every layer full")
     ax.set(xlim=(0, None), ylim=(0, None), xlabel="tokens seen (prompt + generated)",
            ylabel="cache storage (MiB)")
-    ax.set_title(title or "transformers 5.24's DynamicCache against tokens: twins, bf16, CPU, batch 1", fontsize=10)
+    ax.set_title("transformers 5.24's DynamicCache against tokens: twins, bf16, CPU, batch 1", fontsize=10)
     ax.legend(fontsize=9)
     fig.tight_layout()
     return fig
 
 
-def speed_figure(runs: pd.DataFrame, title: str = ""):
+def speed_figure(runs: pd.DataFrame, title: str):
     """Appendix A2: every timed run of one length (`runs`: kvlab.lab.timing.speed_runs' rows), tokens/s on the
     left (from zero), the ratio to dynamic's run of the same round on the right (around 1); a dot per run, a red
     tick at the median, so the spread of the repeats is seen next to the differences between contenders."""
@@ -376,7 +364,6 @@ def speed_figure(runs: pd.DataFrame, title: str = ""):
     speed.legend([plt.Line2D([], [], marker="o", color="black", linestyle=""),
                   plt.Line2D([], [], marker="|", color="tab:red", linestyle="", markersize=14, markeredgewidth=2.5)],
                  ["one run", "median"], fontsize=9, loc="lower left")
-    if title:
-        fig.suptitle(title, fontsize=11)
+    fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig
