@@ -52,17 +52,15 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog.removeprefix('python -m ')}: error: {message}\n")
 
 
-def _default(key: str) -> str:
-    return f"(default: {DEFAULTS[key]})"
-
-
-def _point_arguments(parser: argparse.ArgumentParser, names=POINT_OPTIONS, default: str | None = None) -> None:
-    """The point's options, each left unset (None) unless given, so that normalize knows what was asked for;
-    `default`: what an unset one becomes, when not the point's default."""
-    for name in names:
+def _point_arguments(parser: argparse.ArgumentParser, defaults: dict | None = None, stated: str | None = None):
+    """The point's options (those `defaults` names, else all), each with its value in `defaults`, else left unset
+    (None) unless given, so that normalize knows what was asked for; the help states what an unset one becomes
+    (`stated`, else its default)."""
+    for name in defaults or POINT_OPTIONS:
+        shown = defaults[name] if defaults else DEFAULTS[name.replace("-", "_")]
         number = dict(type=int, metavar="N") if name in NUMBERS else {}
-        parser.add_argument(f"--{name}", default=None, **number,
-                            help=f"{POINT_OPTIONS[name]} {default or _default(name.replace('-', '_'))}")
+        parser.add_argument(f"--{name}", default=(defaults or {}).get(name), **number,
+                            help=f"{POINT_OPTIONS[name]} {stated or f'(default: {shown})'}")
 
 
 def _point_params(args) -> dict:
@@ -143,7 +141,8 @@ def _sweep(args) -> None:
     from .store import rebuild
     if args.engine not in ENGINES:
         raise ValueError(f"unknown engine {args.engine!r}; choose one of {', '.join(ENGINES)}")
-    if args.engine == "local" and (args.address or args.num_cpus is not None or args.num_gpus is not None):
+    engine_options = dict(address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
+    if args.engine == "local" and any(value is not None for value in engine_options.values()):
         raise ValueError("--address, --num-cpus and --num-gpus are for --engine ray")
     fixed, grid = merge_grid_items(*(load_sweep(args.file) if args.file else ({}, {})), args.grid)
     timeout = args.point_timeout
@@ -172,9 +171,8 @@ def _sweep(args) -> None:
         print(f"{len(points)} point{'s' * (len(points) != 1)}; results would go to {out / 'results.csv'}"
               + (f"; each cell of a point may run {timeout} s" if timeout else ""))
         return
-    engine_options = dict(address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
     run_sweep(points, out, notebook=args.notebook, kernel_name=args.kernel, command=" ".join(["python -m kvlab", *args.argv]),
-              engine=args.engine, point_timeout=timeout, **(engine_options if args.engine == "ray" else {}))
+              engine=args.engine, point_timeout=timeout, **engine_options)
 
 
 def cmd_stream(args) -> None:
@@ -246,14 +244,19 @@ def build_parser() -> argparse.ArgumentParser:
     predict = sub.add_parser("predict", help="the predicted peak (weights + overhead) of every design, before running",
                              description="The predicted peak of every design (or the one asked for) from the config "
                              "alone, in GiB; nothing is allocated.")
-    for verb in (measure, predict):
-        _point_arguments(verb)
+    explain = sub.add_parser("explain", help="who holds the bytes: the live tensors at a greedy run's peak, by what "
+                             "names them", description="Run one greedy point twice on the CPU under the live-storage "
+                             "counter; at its peak, list the live tensor storages grouped by the name that holds them "
+                             "(a frame's local, an attribute path, the op's own inputs and output), with bytes.")
+    for verb, defaults in ((measure, None), (predict, None), (explain, EXPLAIN_DEFAULTS)):
+        _point_arguments(verb, defaults)
         verb.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
                           help="config override, repeatable (e.g. num_hidden_layers=2)")
     measure.add_argument("--json", action="store_true", help="print the whole record (bytes) as one JSON line")
     measure.add_argument("--runtime", default=None, help="eager (kvlab's loop), jit-trace (a torch.jit.trace graph "
                          "passing tuples: cache tuple), convert (tuples <-> DynamicCache every step: cache dynamic) or "
-                         f"export (torch.export with a static cache: cache static); see kvlab.graphs {_default('runtime')}")
+                         "export (torch.export with a static cache: cache static); see kvlab.graphs "
+                         f"(default: {DEFAULTS['runtime']})")
     measure.add_argument("--no-timing", dest="timing", action="store_false", default=None,
                          help="skip the second, unmetered run that measures tokens/s")
     measure.add_argument("--force", action="store_true", default=None,
@@ -265,14 +268,6 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --memory: the most new tokens each design fits (up to the model's context)")
     predict.add_argument("--json", action="store_true", help="print the prediction, term by term, as JSON (bytes)")
 
-    explain = sub.add_parser("explain", help="who holds the bytes: the live tensors at a greedy run's peak, by what "
-                             "names them", description="Run one greedy point twice on the CPU under the live-storage "
-                             "counter; at its peak, list the live tensor storages grouped by the name that holds them "
-                             "(a frame's local, an attribute path, the op's own inputs and output), with bytes.")
-    for name, value in EXPLAIN_DEFAULTS.items():
-        number = dict(type=int, metavar="N") if isinstance(value, int) else {}
-        explain.add_argument(f"--{name}", default=value, **number, help=f"{POINT_OPTIONS[name]} (default: {value})")
-    explain.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="config override, repeatable")
     explain.add_argument("--engine", default="kvlab", help="kvlab (its loop, with --cache and --loop), installed "
                          "(this transformers' own generate()), 4.40.1 or 4.42.4 (that release's own, in its folder) "
                          "(default: kvlab)")
@@ -283,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
     compare.add_argument("--device", default="auto", help="cpu, cuda or auto (CUDA if present) (default: auto)")
     compare.add_argument("--preset", default=None, help="a decoder preset, config.json or hub id (default: "
                          "llama2-7b-twin on CPU, tinyllama-1.1b on CUDA: kvlab/lab/sweeps/cpu-default.yaml, cuda-default.yaml)")
-    _point_arguments(compare, ("batch", "prompt", "new", "dtype"), default="(default: the sweep file's)")
+    _point_arguments(compare, dict.fromkeys(("batch", "prompt", "new", "dtype")), "(default: the sweep file's)")
     compare.add_argument("--out", default=None, help="results folder (default: results/compare-<time>)")
 
     _sweep_arguments(sub.add_parser("sweep", help="run a grid of points with papermill, one fresh kernel each, here "

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 
 from ..models import resolve_device
-from .grid import load_sweep
+from .grid import expand, load_sweep
 from .engines import run_sweep
 from .point import DESIGNS
 
@@ -80,7 +80,7 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
         grid.pop("new", None)
     out = Path(out or f"results/compare-{datetime.datetime.now():%Y%m%d-%H%M%S}")
     # run_sweep validates every point before anything runs: a bad input is refused with no folder made.
-    results = run_sweep(grid, out, fixed=fixed, command="python -m kvlab compare")
+    results = run_sweep(expand(fixed, grid), out, command="python -m kvlab compare")
     for _, row in results[results["status"] != "ok"].iterrows():
         print(f"{row['status']}: {row['cache']}/{row['loop']} new={row['new']}: {row['error']}")
     table, longest = comparison_table(results), longest_ok(results)

@@ -14,43 +14,34 @@ import os
 import sys
 from pathlib import Path
 
-from .grid import point_id, point_label, points_of, read_sweep, validate
+from .grid import point_id, point_label, validate
 from .runner import POINT_NOTEBOOK, kernel_environment, run_one
 from .store import STATUSES, append_row, append_run, done_point_ids, load_results, prepare_folder
 
 
+ENGINES = ("local", "ray")
+
+
 def local_engine(todo: list[dict], out: Path, notebook: Path, kernel_name: str | None = None,
-                 point_timeout: int | None = None, **options):
+                 point_timeout: int | None = None):
     """Each point in turn, in a fresh kernel on this machine."""
-    if options:
-        raise ValueError(f"the local engine takes no {', '.join(sorted(options))}; those are for --engine ray")
     with kernel_environment(todo):
         for params in todo:
             yield run_one(params, out, notebook, kernel_name, point_timeout)
 
 
-def ray_engine(todo, out, notebook, kernel_name=None, point_timeout=None, **options):
-    from .ray_engine import run_on_ray  # Ray is an optional extra: imported only when asked for
-    return run_on_ray(todo, out, notebook, kernel_name, point_timeout, **options)
-
-
-ENGINES = {"local": local_engine, "ray": ray_engine}
-
-
-def run_sweep(points_or_grid, out, *, fixed: dict | None = None, notebook: str | os.PathLike | None = None,
-              kernel_name: str | None = None, progress: bool = True, command: str | None = None,
-              engine: str = "local", point_timeout: int | None = None, **engine_options):
-    """Run every point not yet done (`points_or_grid`: as `grid.points_of`, all validated first) on `engine` (ray:
-    address, num_cpus, num_gpus); return the folder's results table. `point_timeout`: seconds a cell of a point's
-    notebook may run (default: the sweep file's point_timeout_s); past it the point is a "failed" row. The run is
-    logged in OUT/provenance.json; OUT/summary.md gets `make compare`'s table (kvlab.lab.compare)."""
+def run_sweep(points: list[dict], out, *, notebook: str | os.PathLike | None = None, kernel_name: str | None = None,
+              progress: bool = True, command: str | None = None, engine: str = "local",
+              point_timeout: int | None = None, **engine_options):
+    """Run every point not yet done (all validated first) on `engine` (ray: address, num_cpus, num_gpus); return the
+    folder's results table. `point_timeout`: seconds a cell of a point's notebook may run; past it the point is a
+    "failed" row. The run is logged in OUT/provenance.json; OUT/summary.md gets `make compare`'s table."""
     from tqdm.auto import tqdm
 
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
-    points = validate(points_of(points_or_grid, fixed), devices_here=engine == "local")
-    if point_timeout is None and isinstance(points_or_grid, (str, os.PathLike)):
-        point_timeout = read_sweep(points_or_grid).get("point_timeout_s")
+    command = command or f"kvlab.lab.engines.run_sweep({points!r}, {str(Path(out))!r})"
+    points = validate(points, devices_here=engine == "local")
     notebook = Path(notebook or POINT_NOTEBOOK)
     if not notebook.exists():
         raise ValueError(f"point notebook {notebook} not found; pass notebook= (or --notebook)")
@@ -68,10 +59,17 @@ def run_sweep(points_or_grid, out, *, fixed: dict | None = None, notebook: str |
     counts = dict.fromkeys(STATUSES, 0)
     started = datetime.datetime.now(datetime.timezone.utc)
     options = {key: value for key, value in engine_options.items() if value is not None}
+    if engine == "ray":
+        from .ray_engine import run_on_ray  # Ray is an optional extra: imported only when asked for
+        rows = run_on_ray(todo, out, notebook, kernel_name, point_timeout, **options)
+    elif options:
+        raise ValueError(f"the local engine takes no {', '.join(sorted(options))}; those are for --engine ray")
+    else:
+        rows = local_engine(todo, out, notebook, kernel_name, point_timeout)
     try:
         # closing(): an interrupt anywhere in this loop reaches the engine, which stops its running points.
         with tqdm(total=len(todo), desc=f"sweep {out.name}", unit="point", disable=not progress) as bar, \
-                contextlib.closing(ENGINES[engine](todo, out, notebook, kernel_name, point_timeout, **options)) as rows:
+                contextlib.closing(rows):
             for row in rows:  # in the order the points end
                 append_row(results, row)
                 counts[row["status"]] += 1
@@ -81,9 +79,8 @@ def run_sweep(points_or_grid, out, *, fixed: dict | None = None, notebook: str |
                     bar.write(f"{row['status']}: {point_label(row)}: {row['error']}")
     finally:  # an interrupted run is logged too, with what it managed
         if any(counts.values()):
-            append_run(out, command or f"kvlab.lab.engines.run_sweep({points_or_grid!r}, {str(out)!r})", started,
-                       points[0]["device"], points_in_sweep=len(points), ran=counts, engine=engine,
-                       point_timeout_s=point_timeout, **options)
+            append_run(out, command, started, points[0]["device"], points_in_sweep=len(points), ran=counts,
+                       engine=engine, point_timeout_s=point_timeout, **options)
     if progress:
         print(f"{results}: " + ", ".join(f"{n} {status}" for status, n in counts.items()) + " this run", file=sys.stderr)
     table = load_results(results)

@@ -78,29 +78,14 @@ def merge_grid_items(fixed: dict, grid: dict, items: list[str]) -> tuple[dict, d
     return fixed, grid
 
 
-def expand(fixed: dict | None = None, grid: dict | None = None) -> list[dict]:
-    """The points of a grid: every combination of its values, on top of the fixed parameters."""
-    grid = grid or {}
+def expand(fixed: dict, grid: dict) -> list[dict]:
+    """The points of a grid: every combination of its values, on top of the fixed parameters; a value that is a
+    mapping sets a group of parameters together, e.g. cache + loop."""
     if empty := [key for key, values in grid.items() if not values]:
         raise ValueError(f"grid key {empty[0]!r} has no values")
-    points = []
-    for combination in itertools.product(*grid.values()):
-        point = dict(fixed or {})
-        for key, value in zip(grid, combination):  # a mapping: a group of parameters set together, e.g. cache + loop
-            point.update(value if isinstance(value, dict) else {key: value})
-        points.append(point)
-    return points
-
-
-def points_of(points_or_grid, fixed: dict | None = None) -> list[dict]:
-    """The points of a list of parameter dicts, a grid {key: [values]} (product, on top of `fixed`),
-    or the path / shipped name of a sweep file (its own fixed parameters under `fixed`)."""
-    if isinstance(points_or_grid, (str, os.PathLike)):
-        file_fixed, grid = load_sweep(points_or_grid)
-        return expand({**file_fixed, **(fixed or {})}, grid)
-    if isinstance(points_or_grid, dict):
-        return expand(fixed, points_or_grid)
-    return [{**(fixed or {}), **point} for point in points_or_grid]
+    groups = [[value if isinstance(value, dict) else {key: value} for value in values] for key, values in grid.items()]
+    return [{key: value for group in (fixed, *combination) for key, value in group.items()}
+            for combination in itertools.product(*groups)]
 
 
 def validate(points: list[dict], *, devices_here: bool = True) -> list[dict]:

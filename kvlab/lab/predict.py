@@ -5,6 +5,7 @@ buffers count exactly as in `meter.weight_bytes`. `measure` and `sweep` call `ch
 
 from __future__ import annotations
 
+import bisect
 import functools
 import json
 import re
@@ -40,7 +41,6 @@ def parse_bytes(text) -> int:
 
 
 def format_bytes(n: int) -> str:
-    """Readable size for messages: GiB above 1 GiB, else MiB."""
     return f"{n / GIB:.1f} GiB" if abs(n) >= GIB else f"{n / 2**20:.1f} MiB"
 
 
@@ -73,26 +73,11 @@ def point_of(p: dict, **changes) -> dict:
 
 def largest_new(fits, limit: int) -> int:
     """The largest n in 1..limit with fits(n), for a fits that holds up to some n and not beyond (the peak grows
-    with the tokens generated); 0 if not even one. Doubling, then bisection: a few walks of the theory."""
-    if fits(limit):  # one walk when the whole context fits (a sliding cache's plateau, a large memory)
+    with the tokens generated); 0 if not even one. One walk of the theory when the whole context fits (a sliding
+    cache's plateau, a large memory), else a bisection: a few walks."""
+    if fits(limit):
         return limit
-    if not fits(1):
-        return 0
-    low, high = 1, 2
-    while high < limit and fits(high):
-        low, high = high, 2 * high
-    high = min(high, limit)
-    if fits(high):
-        return high
-    while high - low > 1:  # fits(low), not fits(high)
-        middle = (low + high) // 2
-        low, high = (middle, high) if fits(middle) else (low, middle)
-    return low
-
-
-def context_limit(config, p: dict) -> int:
-    """New tokens the model's positions allow after the prompt (and a restart's tokens)."""
-    return config.max_position_embeddings - p["prompt"] - p["restart_new"]
+    return bisect.bisect_left(range(1, limit), True, key=lambda n: not fits(n))
 
 
 def predict(p: dict, designs, memory: int | None = None, max_batch: bool = False, max_new: bool = False) -> dict:
@@ -117,7 +102,7 @@ def predict(p: dict, designs, memory: int | None = None, max_batch: bool = False
             one = theory.predict_overhead(config, **point_of(p, cache=cache, loop=loop, batch=1))
             row["max_batch"] = max(0, (memory - weights) // one)
         if max_new:
-            limit = context_limit(config, p)
+            limit = config.max_position_embeddings - p["prompt"] - p["restart_new"]  # the positions left
             row["max_new"] = largest_new(lambda n: weights + theory.predict_overhead(
                 config, **point_of(p, cache=cache, loop=loop, new=n)) <= memory, limit)
             row["max_new_is_context"] = row["max_new"] == limit

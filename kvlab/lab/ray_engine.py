@@ -73,8 +73,6 @@ def run_on_ray(todo: list[dict], out: Path, notebook: Path, kernel_name=None, po
         import ray
     except ImportError:
         raise ValueError("the ray engine needs Ray: pip install 'kvlab[ray]'") from None
-    if not todo:  # nothing to run: no Ray started
-        return
     started_here, pending, caught, saved = not ray.is_initialized(), {}, [], {}
     hold_interrupts(caught, saved)
     try:

@@ -99,9 +99,10 @@ def measure_reference(version: str = "4.40.1", **point) -> dict:
 def measure_references(version: str, points: list[dict]) -> list[dict]:
     """Several points (dicts of `measure_reference`'s keywords) in one subprocess: the release is imported
     once, and each point still builds its own model and prompt."""
+    from ..loops import check_choice
     from ..models import attention_of, kv_bytes_per_token, parse_dtype, resolve_device
     from .configs import build_config, parse_overrides
-    from .point import DEFAULTS  # here, not above: the worker's process imports this module under old releases
+    from .point import DEFAULTS, beams  # here, not above: the worker's process imports this module under old releases
     defaults = dict({key: DEFAULTS[key] for key in REFERENCE_KEYS}, cache_implementation=None)
     specs = []
     for point in points:
@@ -109,8 +110,7 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
             raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))}; valid: {', '.join(defaults)}")
         p = {**defaults, **point}
         p["device"] = resolve_device(p["device"])
-        if p["strategy"] not in STRATEGIES:
-            raise ValueError(f"unknown strategy {p['strategy']!r}; choose one of: {', '.join(STRATEGIES)}")
+        check_choice("strategy", p["strategy"], STRATEGIES)
         if p["cache_implementation"] is not None and version in RELEASES:
             raise ValueError(f"cache_implementation is for the installed 5.x; {version} only has its default cache")
         if p["restart_new"] and (version not in RELEASES or p["strategy"] != "greedy"):
@@ -124,8 +124,9 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
         else:
             values = release_values(config)
         p["overrides"] = ",".join(f"{k}={v}" for k, v in parse_overrides(p["overrides"]).items())  # as kvlab's records
-        p["num_beams"] = p["num_beams"] if p["strategy"] == "beam" else 1
-        p["kv_final_bytes"] = kv_bytes_per_token(config, p["batch"] * p["num_beams"], p["dtype"]) * (p["prompt"] + p["new"] + p["restart_new"])
+        p["num_beams"] = beams(p)
+        p["kv_final_bytes"] = (kv_bytes_per_token(config, p["batch"] * p["num_beams"], p["dtype"])
+                               * (p["prompt"] + p["new"] + p["restart_new"]))
         specs.append(dict(p, model_type=config.model_type, config=values, attention=attention_of(config)))
     target = install_reference(version)
     path = [str(ROOT)] if target is None else [str(target), str(ROOT)]
