@@ -68,9 +68,13 @@ def kvlab_digest(config: str, dtype: str) -> str:
     return weights_digest(build_model("toy", CONFIGS[config], "cpu", dtype))
 
 
-@functools.lru_cache(maxsize=None)
 def real_records(pair: str, quick: bool = True) -> dict:
     """The QUICK points of one release (or the others), measured in one subprocess: {(dtype, config, strategy): record}."""
+    return _real_records(pair, quick)  # one cache key however it is called: lru_cache tells (pair) from (pair, True)
+
+
+@functools.lru_cache(maxsize=None)
+def _real_records(pair: str, quick: bool) -> dict:
     cache_implementation, _ = PAIRS[pair]
     if install_error(release_of(pair)):
         pytest.skip(install_error(release_of(pair)))
