@@ -42,6 +42,7 @@ def test_every_runtime_decodes_what_generate_does(toy, toy_gqa, prompt, runtime)
         assert torch.equal(generate_graph(model, prompt, 24, runtime).tokens, expected), model.config.num_key_value_heads
 
 
+@pytest.mark.slow  # beyond the lesson's guarantees: make test-all
 def test_graphs_built_for_one_prompt_length_decode_another(toy, prompt):
     # A graph is built from shapes; the tokens it runs on are new values (here: another prompt of the same shape).
     other = torch.randint(0, 1000, prompt.shape, generator=torch.Generator().manual_seed(9))
@@ -56,6 +57,7 @@ def test_bfloat16_graphs_decode_what_generate_does(toy_bf16, prompt):
         assert torch.equal(generate_graph(toy_bf16, prompt, 8, runtime).tokens, expected), runtime
 
 
+@pytest.mark.slow  # beyond the lesson's guarantees: make test-all
 def test_bfloat16_exported_logits_within_one_bf16_step_of_the_eager_forward(toy_bf16, prompt):
     # The exported program rounds differently from the eager forward (not from kvlab: transformers' own
     # exportable module run eagerly differs the same way): a logit may move by one bf16 step (2**-7 near 1),
@@ -270,6 +272,7 @@ def test_the_gpu_sweep_is_valid_and_its_7b_points_are_predicted_as_on_the_twins(
         assert ratio["export"] < ratio["jit-trace"] - 0.7, ratio
 
 
+@pytest.mark.slow  # beyond the lesson's guarantees: make test-all
 def test_graphs_refuse_a_batch_or_length_they_were_not_built_for(toy, prompt):
     # An exported static cache holds prompt + new - 1 tokens; a longer decode would write past its end.
     for runtime in ("jit-trace", "export"):

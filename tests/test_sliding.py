@@ -87,11 +87,11 @@ def test_theory_of_the_sliding_twins_within_one_percent(twin, strategy):
 # GPT-OSS: eager attention peaks on a prompt (three score tensors of prompt^2 per head), its experts when the
 # prompt is short and the experts wide (an override, as the real 20B's 2880 is 30 times its heads' width), and
 # the decode steps' scores when the generation is long. Four layers (two of each kind) where the peak is in the
-# prompt's forward; all 24 where the cache must outgrow the logits.
+# prompt's forward; all 24 where the cache must outgrow the logits (that long run in make test-all).
 @pytest.mark.parametrize("overrides, prompt, new, cache, loop, dtype, strategy, where", [
     ("num_hidden_layers=4", 140, 3, "dynamic", "v5", "bfloat16", "beam", "step 0 (attention)"),
     ("num_hidden_layers=4,intermediate_size=1920", 16, 3, "prealloc", "v5", "float32", "greedy", "step 0 (mlp)"),
-    ("", 16, 60, "tuple", "v4.40", "float32", "greedy", "step 59 (attention)")])
+    pytest.param("", 16, 60, "tuple", "v4.40", "float32", "greedy", "step 59 (attention)", marks=pytest.mark.slow)])
 def test_theory_of_gpt_oss_attention_and_experts_within_one_percent(overrides, prompt, new, cache, loop, dtype,
                                                                     strategy, where):
     _theory_peak("gpt-oss-20b-twin", overrides, where, cache=cache, loop=loop, dtype=dtype, strategy=strategy,

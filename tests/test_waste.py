@@ -26,7 +26,8 @@ def total(rows, kinds=("baseline", "term")) -> int:
     return sum(row["bytes"] for row in rows if row["kind"] in kinds)
 
 
-@pytest.mark.parametrize("name", POINTS)
+# The sliding point (a 7B twin's layers) in make test-all; the three small ones in make test.
+@pytest.mark.parametrize("name", [pytest.param(n, marks=[pytest.mark.slow] * (n == "sliding")) for n in POINTS])
 def test_baseline_and_terms_add_up_to_the_meters_peak(name):
     rows = waste.measure_point(name, POINTS[name])
     peak = total(rows, ("check",))  # weights + the meter's peak in its own run, not explain's
@@ -46,6 +47,7 @@ def test_final_cache_is_what_generate_returns(name):
     assert waste.final_cache_bytes(model.config, beams, point["prompt"], point["new"], "bfloat16") == returned
 
 
+@pytest.mark.slow  # beyond the lesson's guarantees: make test-all
 def test_retained_prefill_view_is_the_prompt_past_the_window():
     rows = {row["term"]: row["bytes"] for row in waste.measure_point("sliding", POINTS["sliding"])}
     layers, kv_heads, head_dim, window = 32, 8, 4, 8  # the Mistral-7B twin: 4096 / 32 / 32 wide heads
