@@ -81,31 +81,6 @@ def colab(tmp_path_factory):
     yield dict(python=python, content=content, jupyter=base / "jupyter", torch_before=torch_before)
 
 
-def _emulated_colab(monkeypatch):
-    monkeypatch.setenv("KVLAB_REPOSITORY", f"file://{ROOT}")
-    monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.delenv("PYTHONPATH", raising=False)   # nothing of this checkout on the kernel's path
-
-
-def _setup_first(path):
-    nb = nbformat.read(path, as_version=4)
-    assert nb.cells[[i for i, c in enumerate(nb.cells) if c.cell_type == "code"][0]].metadata.get("tags") == [
-        SETUP_TAG], f"{path.name}: the Colab setup cell must be the first code cell"
-    return nb
-
-
-def _execute_in_colab(colab, source, parameters, monkeypatch):
-    """`source` executed in the emulated Colab kernel; (notebook of the failing cell, error) of each error."""
-    monkeypatch.setenv("JUPYTER_PATH", str(colab["jupyter"]))
-    output = colab["content"] / f"executed-{source.name}"
-    papermill.execute_notebook(str(source), str(output), parameters=parameters, kernel_name="colab",
-                               cwd=str(colab["content"]), progress_bar=False, log_output=False,
-                               extra_arguments=QUIET_KERNEL)
-    return [(c.metadata.get("from_notebook", source.name), o) for c in nbformat.read(output, as_version=4).cells
-            for o in c.get("outputs", []) if o.get("output_type") == "error"]
-
-
 # The notebook that installs the real releases runs whole; every other one's setup cell and imports, all in one
 # kernel (one kernel's start and imports, not eight: the setup cells are one generated cell, and after the first
 # has cloned and installed, each finds the repository in place).
@@ -114,21 +89,31 @@ def _execute_in_colab(colab, source, parameters, monkeypatch):
                          + [[p for p in NOTEBOOKS if p.stem not in RUN_WHOLE]],
                          ids=[p.stem for p in NOTEBOOKS if p.stem in RUN_WHOLE] + ["setup-and-imports-of-the-others"])
 def test_notebook_runs_in_emulated_colab(paths, colab, monkeypatch):
-    _emulated_colab(monkeypatch)
-    notebooks = [_setup_first(path) for path in paths]
+    monkeypatch.setenv("KVLAB_REPOSITORY", f"file://{ROOT}")
+    monkeypatch.setenv("JUPYTER_PATH", str(colab["jupyter"]))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    monkeypatch.delenv("PYTHONPATH", raising=False)   # nothing of this checkout on the kernel's path
+    cells = []
+    for path in paths:
+        nb = nbformat.read(path, as_version=4)
+        assert nb.cells[[i for i, c in enumerate(nb.cells) if c.cell_type == "code"][0]].metadata.get("tags") == [
+            SETUP_TAG], f"{path.name}: the Colab setup cell must be the first code cell"
+        if path.stem not in RUN_WHOLE:
+            cells += setup_and_imports(nb).cells  # (setup_and_imports cuts nb itself)
     if paths[0].stem in RUN_WHOLE:
-        source, parameters = paths[0], {"tiny": True} if "tiny" in declared_parameters(notebooks[0]) else {}
+        source, parameters = paths[0], {"tiny": True} if "tiny" in declared_parameters(nb) else {}
     else:
-        cells = []
-        for path, nb in zip(paths, notebooks):
-            part = setup_and_imports(nb).cells
-            for cell in part:
-                cell.metadata["from_notebook"] = path.name  # to name the notebook of a failing cell
-            cells += part
         source, parameters = colab["content"].parent / "setup-and-imports.ipynb", {}
-        nbformat.write(nbformat.v4.new_notebook(cells=cells, metadata=notebooks[0].metadata), source)
-    errors = _execute_in_colab(colab, source, parameters, monkeypatch)
-    assert not errors, f"{errors[0][0]}: {errors[0][1].get('ename')}: {errors[0][1].get('evalue')}"
+        nbformat.write(nbformat.v4.new_notebook(cells=cells, metadata=nb.metadata), source)
+    output = colab["content"] / f"executed-{source.name}"
+    # papermill raises at a failing cell, naming it (and so its notebook) in its message
+    papermill.execute_notebook(str(source), str(output), parameters=parameters, kernel_name="colab",
+                               cwd=str(colab["content"]), progress_bar=False, log_output=False,
+                               extra_arguments=QUIET_KERNEL)
+    executed = nbformat.read(output, as_version=4)
+    errors = [o for c in executed.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
+    assert not errors, f"{source.name}: {errors[0].get('ename')}: {errors[0].get('evalue')}"
 
     python = colab["python"]
     where = run(python, "-c", "import kvlab; print(kvlab.__file__)").stdout
