@@ -27,10 +27,10 @@ $(READY): requirements.lock pyproject.toml
 # transformers 4.40.1 (the last tuple-cache release) and 4.42.4 (PR #30536 as released), each in its own
 # folder with the libraries it pins (4.42.4: numpy 1.26): the references kvlab's v4.40 and v4.42 loops must match.
 $(LEGACY_4_40): $(READY)
-	$(BIN)/python -c "from kvlab.lab.reference import install_reference; install_reference('4.40.1')"
+	$(BIN)/python -c "from kvlab.releases import install_reference; install_reference('4.40.1')"
 
 $(LEGACY_4_42): $(READY)
-	$(BIN)/python -c "from kvlab.lab.reference import install_reference; install_reference('4.42.4')"
+	$(BIN)/python -c "from kvlab.releases import install_reference; install_reference('4.42.4')"
 
 legacy: $(LEGACY)
 

@@ -9,7 +9,7 @@ until the first decode step. `prealloc` (kvlab's `WindowLayer`) writes each toke
 block of slots and moves the window to the front once a block.
 
 Peak: one run of each under the live-storage meter (overhead = peak above the weights; KV = the cache at the
-end). Tokens/s: unmetered runs, interleaved (`kvlab.lab.timing.interleaved`), median of `--repeats`.
+end). Tokens/s: unmetered runs, interleaved (`kvlab.timing.interleaved`), median of `--repeats`.
 """
 
 import argparse
@@ -18,7 +18,7 @@ import statistics
 import torch
 
 from kvlab.caches import cache_bytes
-from kvlab.lab.timing import interleaved
+from kvlab.timing import interleaved
 from kvlab.loops import generate
 from kvlab.meter import MemoryMeter
 from kvlab.models import build_model, resolve_device

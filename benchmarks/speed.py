@@ -2,7 +2,7 @@
 
     python benchmarks/speed.py [--preset llama2-7b-twin] [--new 500,2000,8000] [--repeats 3] [--out data/speed]
 
-Machines are noisy: every length runs each contender in turn, `--repeats` times (`kvlab.lab.timing.speed_runs`,
+Machines are noisy: every length runs each contender in turn, `--repeats` times (`kvlab.timing.speed_runs`,
 so a slow moment hits all alike), and the table prints medians, the slowest and fastest run, and the median of the
 ratios to `dynamic` run by run. `--out DIR` keeps every run in DIR/results.csv and the machine in DIR/provenance.json
 (appendix A2 draws them). No meter runs here: the live-storage counter adds Python work to every operator,
@@ -24,7 +24,7 @@ import pandas as pd
 import torch
 
 from kvlab.lab.store import append_run
-from kvlab.lab.timing import CONTENDERS, speed_runs, spread
+from kvlab.timing import CONTENDERS, speed_runs, spread
 from kvlab.models import build_model, resolve_device
 
 

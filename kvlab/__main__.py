@@ -1,5 +1,6 @@
-"""`python -m kvlab ...`: the command line lives in kvlab.lab.cli."""
+"""`python -m kvlab ...`: the command line lives in kvlab.cli (the `kvlab` console script calls kvlab.cli:main)."""
 
-from .lab.cli import main
+from .cli import main
 
-main()
+if __name__ == "__main__":
+    main()

@@ -234,9 +234,9 @@ def explain_point(preset: str = "toy", overrides=None, batch: int = 2, prompt: i
     """Explain one greedy point: kvlab's loop (engine "kvlab", with `cache` and `loop`), this transformers'
     own generate() ("installed"), or a release's own ("4.40.1", "4.42.4": in its own process)."""
     from .caches import CACHES
-    from .lab.reference import RELEASES, ROOT, install_reference, release_values
+    from .releases import RELEASES, ROOT, install_reference, release_values
     from .loops import LOOPS, check_choice
-    from .lab.configs import load_config
+    from .configs import load_config
     from .models import build_model, parse_dtype
 
     for kind, value, choices in (("engine", engine, ("kvlab", "installed", *RELEASES)), ("cache", cache, CACHES),

@@ -2,7 +2,7 @@
 
 Memory does not depend on weight values, so a model built from its public config with random weights
 allocates exactly what the real checkpoint would. The presets are kvlab.presets; reading and checking a
-config is kvlab.lab.configs.
+config is kvlab.configs.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
 from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
 
-from .lab.configs import hub_error, hub_reachable, is_hub_id, load_config, one_line
+from .configs import hub_error, hub_reachable, is_hub_id, load_config, one_line
 from .presets import ENCODER_DECODERS, vary_decoder
 
 

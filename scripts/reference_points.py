@@ -18,7 +18,7 @@ from kvlab import theory
 from kvlab.lab.point import run_point
 from kvlab.lab.reference import SHOWCASE, SHOWCASE_COMMON, showcase_table
 from kvlab.lab.store import append_run
-from kvlab.lab.configs import build_config
+from kvlab.configs import build_config
 
 OUT = Path(__file__).resolve().parent.parent / "data" / "reference"
 

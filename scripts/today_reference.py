@@ -6,7 +6,8 @@ One JSON line per point: overhead bytes of both, kvlab / real, the theory's pred
 """
 import sys, json, torch
 from kvlab.lab.point import run_point
-from kvlab.lab.reference import measure_references, INSTALLED
+from kvlab.lab.reference import measure_references
+from kvlab.releases import INSTALLED
 torch.set_num_threads(1)
 preset, overrides, prompt, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 pts = [dict(dtype=d, strategy=s) for d in sys.argv[5].split(",") for s in sys.argv[6].split(",")]

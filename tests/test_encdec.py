@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvlab import encdec, models
-from kvlab.lab.configs import build_config
+from kvlab.configs import build_config
 from kvlab.models import assert_varied
 from kvlab.encdec.reusable_cache import (ReusableStaticCache, longer_cross_attention_cache,
                                   static_cache_at_smaller_batch)

@@ -10,7 +10,7 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM
 
 from kvlab.explain import UNREFERENCED, explain, explain_generate, explain_point
-from kvlab.lab.reference import ReferenceInstallError, install_reference
+from kvlab.releases import ReferenceInstallError, install_reference
 from kvlab.loops import generate
 from kvlab.meter import MemoryMeter
 from kvlab.models import build_model
@@ -133,7 +133,7 @@ def test_bad_choices_fail_before_building_anything():
 
 
 def test_the_command_line_prints_the_holders_and_refuses_bad_input_in_one_line(capsys):
-    from kvlab.lab.cli import main
+    from kvlab.cli import main
 
     main(["explain", "--new", "4"])  # the tuple design under v4.40 on the toy model
     table = capsys.readouterr().out

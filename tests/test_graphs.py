@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from kvlab.graphs.conversion import conversion_cost, random_tuples, to_cache, to_tuples
-from kvlab.lab.point import normalize, run_point
+from kvlab.lab.params import normalize
+from kvlab.lab.point import run_point
 from kvlab.graphs.meter import ProfilerMeter
 from kvlab.graphs import RUNTIMES, VARIANTS, build_graphs, check_runtime, decode_variant, generate_graph, time_variants
 from kvlab.meter import LiveStorageCounter, MemoryMeter
@@ -254,7 +255,7 @@ def test_cli_measures_a_runtime_and_refuses_a_design_it_cannot_carry():
 
 def test_the_gpu_sweep_is_valid_and_its_7b_points_are_predicted_as_on_the_twins():
     from kvlab import theory
-    from kvlab.lab.configs import build_config
+    from kvlab.configs import build_config
     from kvlab.lab.grid import expand, load_sweep, validate
     points = validate(expand(*load_sweep("gpu-graphs")), devices_here=False)
     assert len(points) == 10 and {p["device"] for p in points} == {"cuda"}

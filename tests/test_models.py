@@ -5,7 +5,7 @@ import torch
 from transformers import (BartForConditionalGeneration, LlamaForCausalLM, T5ForConditionalGeneration,
                           WhisperForConditionalGeneration)
 
-from kvlab.lab.configs import build_config, is_hub_id, load_config
+from kvlab.configs import build_config, is_hub_id, load_config
 from kvlab.models import build_model
 from kvlab.presets import ENCODER_DECODERS, vary_decoder
 

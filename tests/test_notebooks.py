@@ -18,6 +18,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from kvlab.lab import kernel
 from kvlab.notebook import colab
 from kvlab.notebook.tools import declared_parameters, problems
 
@@ -49,8 +50,8 @@ def test_notebook_executes_with_tiny_parameters(path, tmp_path, monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # tiny means CPU, even on a GPU machine
     output = tmp_path / path.name
     papermill.execute_notebook(str(path), str(output), parameters=tiny_parameters(path, tmp_path),
-                               kernel_name=colab.kernel_name(), cwd=str(path.parent), progress_bar=False,
-                               log_output=False, extra_arguments=colab.QUIET_KERNEL)
+                               kernel_name=kernel.kernel_name(), cwd=str(path.parent), progress_bar=False,
+                               log_output=False, extra_arguments=kernel.QUIET_KERNEL)
     executed = nbformat.read(output, as_version=4)
     errors = [o for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", [])
               if o.get("output_type") == "error"]
@@ -112,7 +113,7 @@ def test_make_lab_uses_its_own_kernel_name():
     if recipe.returncode != 0:
         pytest.skip(f"make -n failed: {recipe.stderr.strip()}")
     installs = [line for line in recipe.stdout.splitlines() if "ipykernel install" in line]
-    assert installs and all(f"--name {colab.KERNEL['name']}" in line for line in installs), installs
+    assert installs and all(f"--name {kernel.KERNEL['name']}" in line for line in installs), installs
     assert not any("--name python3" in line for line in installs)
 
 
@@ -120,9 +121,9 @@ def test_kernel_falls_back_on_the_native_one_where_kvlab_is_not_registered(monke
     from jupyter_client.kernelspec import KernelSpecManager
 
     monkeypatch.setattr(KernelSpecManager, "find_kernel_specs", lambda self: {"python3": "/somewhere"})
-    assert colab.kernel_name() == "python3"
+    assert kernel.kernel_name() == "python3"
     monkeypatch.setattr(KernelSpecManager, "find_kernel_specs", lambda self: {"python3": "/a", "kvlab": "/b"})
-    assert colab.kernel_name() == "kvlab"
+    assert kernel.kernel_name() == "kvlab"
 
 
 def test_stamp_gives_badge_setup_cell_and_kernel_once(tmp_path, capsys):
@@ -136,7 +137,7 @@ def test_stamp_gives_badge_setup_cell_and_kernel_once(tmp_path, capsys):
     stamped = nbformat.read(path, as_version=4)
     assert stamped.cells[0].source.splitlines()[2] == colab.badge("09_new.ipynb")
     assert stamped.cells[1].source == colab.SETUP_CELL and stamped.cells[1].metadata["tags"] == [colab.SETUP_TAG]
-    assert stamped.metadata["kernelspec"] == colab.KERNEL
+    assert stamped.metadata["kernelspec"] == kernel.KERNEL
     first = path.read_bytes()
     assert main(["stamp", str(path)]) == 0 and path.read_bytes() == first, "stamping twice changed the notebook"
 

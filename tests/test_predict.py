@@ -8,9 +8,11 @@ import pytest
 import kvlab.models
 import kvlab.lab.predict
 from kvlab import theory
-from kvlab.lab.cli import main
-from kvlab.lab.point import DESIGNS, measure, normalize
-from kvlab.lab.configs import build_config
+from kvlab.cli import main
+from kvlab.schema import DESIGNS
+from kvlab.lab.point import measure
+from kvlab.lab.params import normalize
+from kvlab.configs import build_config
 from kvlab.lab.predict import GIB, TooBig, parse_bytes
 
 LLAMA_PR_POINT = ["--preset", "llama2-7b", "--dtype", "bfloat16", "--batch", "8", "--prompt", "300", "--new", "500"]
@@ -86,7 +88,7 @@ def test_bad_memory_size():
 
 
 def test_a_hub_id_without_network_or_local_copy(monkeypatch):
-    monkeypatch.setattr("kvlab.lab.configs.hub_reachable", lambda: False)
+    monkeypatch.setattr("kvlab.configs.hub_reachable", lambda: False)
     with pytest.raises(ValueError, match="cannot be downloaded here .*toy, tinyllama-1.1b"):
         kvlab.models.load_config("nobody/no-such-model")
 

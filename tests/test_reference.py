@@ -13,10 +13,13 @@ import transformers
 from kvlab.lab import reference
 from kvlab.loops import generate
 from kvlab import theory
-from kvlab.lab.point import REFERENCES, normalize, run_point
-from kvlab.lab.configs import build_config
+from kvlab.schema import REFERENCES
+from kvlab.lab.params import normalize
+from kvlab.lab.point import run_point
+from kvlab.configs import build_config
 from kvlab.models import assert_varied, build_model
-from kvlab.lab.reference import INSTALLED, ReferenceInstallError, install_reference, measure_references, weights_digest
+from kvlab.releases import INSTALLED, ReferenceInstallError, install_reference
+from kvlab.lab.reference import measure_references, weights_digest
 
 # Small enough for a 2-core CPU (one subprocess per release runs all of its points), long enough that
 # the peak falls in decoding, where the loops differ, rather than in the prompt's forward.

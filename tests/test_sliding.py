@@ -15,10 +15,11 @@ from transformers.cache_utils import DynamicCache
 from kvlab import theory
 from kvlab.caches import cache_bytes
 from kvlab.lab.point import run_point
-from kvlab.lab.reference import INSTALLED, measure_references
+from kvlab.releases import INSTALLED
+from kvlab.lab.reference import measure_references
 from kvlab.caches import make_cache
 from kvlab.loops import generate
-from kvlab.lab.configs import build_config
+from kvlab.configs import build_config
 from kvlab.models import assert_varied, build_model, kv_bytes_per_token
 
 WINDOW = 64

@@ -13,9 +13,10 @@ import torch
 from kvlab import theory
 from kvlab.caches import CACHES, KVCache, TupleCache, cache_tensors, make_cache
 from kvlab.compat import cache_argument
-from kvlab.lab.point import DESIGNS, measure, run_point
+from kvlab.schema import DESIGNS
+from kvlab.lab.point import measure, run_point
 from kvlab.meter import MemoryMeter
-from kvlab.lab.configs import build_config
+from kvlab.configs import build_config
 from kvlab.models import build_model, kv_bytes_per_token
 
 CACHE_DOMINATED = dict(batch=4, prompt=64, new=128, timing=False)  # batch 8 gives the same ratios, to 4 digits

@@ -22,12 +22,13 @@ import torch
 
 from .. import encdec, models
 from ..compat import cache_from_outputs
-from ..lab.point import DEFAULTS as POINT_DEFAULTS, provenance
+from ..schema import DEFAULTS as POINT_DEFAULTS
+from ..lab.provenance import provenance
 from ..lab.shipped import read_yaml, shipped_or_path
 from ..lab.store import append_run, load_results, prepare_folder, replace_rows
 from ..loops import check_choice
 from ..meter import LiveStorageCounter
-from ..lab.configs import load_config
+from ..configs import load_config
 from ..models import check_device, element_size, parse_dtype, resolve_device
 from ..presets import ENCODER_DECODERS
 from .reusable_cache import ReusableStaticCache

@@ -21,7 +21,7 @@ from ..caches import TupleCache, num_layers
 from ..compat import cache_argument
 from .conversion import to_cache, to_tuples
 from ..loops import Generation, check_choice, generate
-from ..lab.timing import interleaved
+from ..timing import interleaved
 
 # runtime -> the cache designs it can carry (the first is its default).
 RUNTIMES = {"eager": ("dynamic", "tuple", "list", "static", "prealloc"), "jit-trace": ("tuple",),
@@ -224,7 +224,7 @@ def decode_variant(model, input_ids, new_tokens, runtime, cache, graphs=None, me
 
 def time_variants(model, input_ids, new_tokens, variants=VARIANTS, repeats: int = 3, every: bool = False) -> dict:
     """Median seconds per decode of each variant (`every=True`: the seconds of every repeat, in order), unmetered,
-    interleaved `repeats` times (kvlab.lab.timing); graphs are built once, before any timing."""
+    interleaved `repeats` times (kvlab.timing); graphs are built once, before any timing."""
     graphs = {variant: build_graphs(model, input_ids, new_tokens, variant[0]) for variant in variants}
     # Warm-up with a few tokens: TorchScript's profiling executor optimises a graph on its first runs.
     seconds = interleaved(

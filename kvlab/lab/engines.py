@@ -16,6 +16,7 @@ from pathlib import Path
 
 from .grid import point_id, point_label, validate
 from .runner import POINT_NOTEBOOK, kernel_environment, run_one
+from .summary import write_summary
 from .store import STATUSES, append_row, append_run, done_point_ids, load_results, prepare_folder
 
 
@@ -84,6 +85,5 @@ def run_sweep(points: list[dict], out, *, notebook: str | os.PathLike | None = N
     if progress:
         print(f"{results}: " + ", ".join(f"{n} {status}" for status, n in counts.items()) + " this run", file=sys.stderr)
     table = load_results(results)
-    from .compare import write_summary  # compare runs sweeps: imported when used
     write_summary(table, out / "summary.md", f"Sweep {out.name}")
     return table

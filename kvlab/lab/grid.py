@@ -16,8 +16,9 @@ from pathlib import Path
 
 import torch
 
-from .point import DEFAULTS, is_true, normalize
-from .configs import parse_value
+from ..schema import DEFAULTS, is_true
+from .params import normalize
+from ..configs import parse_value
 from .shipped import read_yaml, shipped_or_path
 
 SWEEPS_DIR = Path(__file__).resolve().parent / "sweeps"

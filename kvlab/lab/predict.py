@@ -15,8 +15,8 @@ import torch
 from .. import theory
 from ..meter import weight_bytes
 from ..models import instantiate, parse_dtype
-from .configs import DECODERS, is_hub_id, load_config
-from .point import beams
+from ..configs import DECODERS, is_hub_id, load_config
+from ..schema import beams
 
 GIB = 2**30
 # Decoders whose layers kvlab.theory walks through (attention with grouped KV heads, gated MLP; GPT-OSS's eager

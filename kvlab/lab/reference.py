@@ -14,24 +14,9 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-INSTALLED = "installed"  # the transformers 5.x of this environment
+from ..releases import INSTALLED, RELEASES, ROOT, install_reference, release_values
 
-# Each old release with the pins it needs, into its own folder. 4.40.1 imports fine next to numpy 2;
-# 4.42.4 declares numpy<2 and its import-time dependency check refuses numpy 2, so its folder carries
-# numpy 1.26.4 (torch 2.13 still runs with it) and the safetensors it was released against.
-RELEASES = {
-    "4.40.1": (ROOT / ".legacy-tf", ("transformers==4.40.1", "tokenizers==0.19.1", "huggingface-hub==0.23.4")),
-    "4.42.4": (ROOT / ".legacy-tf-4.42", ("transformers==4.42.4", "tokenizers==0.19.1", "huggingface-hub==0.23.4",
-                                          "numpy==1.26.4", "safetensors==0.4.3")),
-}
-# The config values that shape the memory and the weights (initializer_range: kvlab.presets.RANDOM_INIT_STD);
-# plain values, so any release's config class accepts them.
-CONFIG_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-               "vocab_size", "max_position_embeddings", "rms_norm_eps", "tie_word_embeddings", "sliding_window",
-               "use_sliding_window", "initializer_range")
 STRATEGIES = ("greedy", "beam")
 # A reference point's parameters: these of kvlab.lab.point's, with its defaults, and the cache_implementation.
 REFERENCE_KEYS = ("preset", "overrides", "batch", "prompt", "new", "restart_new", "dtype", "strategy", "num_beams",
@@ -64,32 +49,6 @@ def showcase_table(results):
                          "logits share of the peak": ours["logits_at_peak_bytes"] / ours["overhead_bytes"]}).round(4)
 
 
-class ReferenceInstallError(RuntimeError):
-    """pip could not install a release (no package index reachable, or no wheel for this Python)."""
-
-
-def install_reference(version: str) -> Path | None:
-    """Install `version` into its own folder once and return the folder (None for the installed 5.x)."""
-    if version == INSTALLED:
-        return None
-    if version not in RELEASES:
-        raise ValueError(f"unknown transformers release {version!r}; choose one of: {', '.join([*RELEASES, INSTALLED])}")
-    target, pins = RELEASES[version]
-    # Every pin's dist-info, not just transformers': an interrupted install must be redone.
-    if not all((target / f"{name.replace('-', '_')}-{pinned}.dist-info").exists()
-               for name, pinned in (pin.split("==") for pin in pins)):
-        print(f"installing {' '.join(pins)} into {target} (once, for reference points; needs a package index)",
-              file=sys.stderr, flush=True)
-        # --upgrade replaces a half-installed package; --no-deps keeps transformers 5's pins out of the folder.
-        result = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--upgrade",
-                                 "--target", str(target), *pins], capture_output=True, text=True, check=False)
-        if result.returncode != 0:
-            reason = (result.stderr.strip().splitlines() or ["no message"])[-1]
-            raise ReferenceInstallError(f"pip could not install {' '.join(pins)} into {target} (is a package index "
-                                        f"reachable?): {reason}")
-    return target
-
-
 def measure_reference(version: str = "4.40.1", **point) -> dict:
     """Run release `version`'s own `generate()` at one point (REFERENCE_KEYS and cache_implementation, the rest
     kvlab.lab.point's defaults) in a subprocess; return its measured record."""
@@ -101,8 +60,8 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
     once, and each point still builds its own model and prompt."""
     from ..loops import check_choice
     from ..models import attention_of, kv_bytes_per_token, parse_dtype, resolve_device
-    from .configs import build_config, parse_overrides
-    from .point import DEFAULTS, beams  # here, not above: the worker's process imports this module under old releases
+    from ..configs import build_config, parse_overrides
+    from ..schema import DEFAULTS, beams  # here, not above: the worker's process imports this module under old releases
     defaults = dict({key: DEFAULTS[key] for key in REFERENCE_KEYS}, cache_implementation=None)
     specs = []
     for point in points:
@@ -136,13 +95,6 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
         raise RuntimeError(f"transformers {version} run failed:\n{result.stderr[-3000:]}")
     return [dict(record, overhead_over_kv=round(record["overhead_bytes"] / record["kv_final_bytes"], 4))
             for record in json.loads(result.stdout.strip().splitlines()[-1])]
-
-
-def release_values(config) -> dict:
-    """CONFIG_KEYS' values of a 5.x config, and rope_theta (5.x nests it in rope_parameters)."""
-    values = {key: getattr(config, key) for key in CONFIG_KEYS if hasattr(config, key)}
-    rope = getattr(config, "rope_parameters", None) or {}
-    return dict(values, rope_theta=rope.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
 
 
 def weights_digest(model) -> str:

@@ -13,8 +13,8 @@ import os
 import time
 from pathlib import Path
 
-from ..notebook.colab import QUIET_KERNEL
-from ..notebook.colab import kernel_name as notebook_kernel  # `kvlab` where make registered it, else python3
+from .kernel import QUIET_KERNEL
+from .kernel import kernel_name as notebook_kernel  # `kvlab` where make registered it, else python3
 from .predict import TooBig, check_fits
 from .grid import point_id, point_label
 

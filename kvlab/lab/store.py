@@ -20,7 +20,7 @@ from pathlib import Path
 
 from filelock import FileLock
 
-from .point import DEFAULTS, RECORD_FIELDS
+from ..schema import DEFAULTS, RECORD_FIELDS
 
 # Fixed column order, so rows appended by different runs (and failure rows) stay aligned.
 COLUMNS = ["point_id", "status", "error", "started_at", "elapsed_s", "notebook", *DEFAULTS, *RECORD_FIELDS]
@@ -213,7 +213,7 @@ def load_results(path: str | os.PathLike, check: bool = True):
 def append_run(out: str | os.PathLike, command: str, started: datetime.datetime, device: str, **details) -> dict:
     """Append one run of any kvlab command (command, machine, versions, commit, timing, `details`) to
     OUT/provenance.json, under the file's lock and replaced at once, so concurrent runs all stay logged."""
-    from .point import provenance
+    from .provenance import provenance
     finished = datetime.datetime.now(datetime.timezone.utc)
     run = dict(command=command, **details,
                started_at=started.isoformat(timespec="seconds"), finished_at=finished.isoformat(timespec="seconds"),

@@ -5,14 +5,9 @@ from __future__ import annotations
 
 import re
 
+
 REPOSITORY = "https://github.com/kvlab/kvlab"   # the public repository: change it here only, then re-stamp
 BRANCH = "main"
-
-# `make lab` registers the project's environment under this name (never `python3`: the user's default kernel).
-KERNEL = {"name": "kvlab", "display_name": "Python 3 (kvlab)", "language": "python"}
-FALLBACK_KERNEL = "python3"   # jupyter_client's native kernel: the Python running papermill
-# Every papermill call passes these: the kernel's own log lines (localhost TCP, shutdown) would reach our terminal.
-QUIET_KERNEL = ["--IPKernelApp.log_level=CRITICAL"]
 
 BADGE_IMAGE = "https://colab.research.google.com/assets/colab-badge.svg"
 SETUP_TAG = "colab-setup"
@@ -49,10 +44,3 @@ if "google.colab" in sys.modules and not os.path.isdir("../data"):
         !echo "torch=={{version('torch')}}" > keep-torch.txt
         %pip install --quiet --constraint keep-torch.txt ./kvlab
     os.chdir("kvlab/notebooks")'''
-
-
-def kernel_name() -> str:
-    """The kernel to execute a notebook with: `kvlab` where `make lab` registered it, else the native one."""
-    from jupyter_client.kernelspec import KernelSpecManager
-
-    return KERNEL["name"] if KERNEL["name"] in KernelSpecManager().find_kernel_specs() else FALLBACK_KERNEL

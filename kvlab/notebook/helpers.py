@@ -62,7 +62,7 @@ def set_theme():
 
 def device_label(device: str) -> str:
     """The one way notebooks name their device: the processor or GPU model, then the torch device."""
-    from ..lab.point import device_name
+    from ..lab.provenance import device_name
 
     return f"{device_name(device)} ({device})"
 

@@ -10,13 +10,13 @@ import seaborn as sns
 from matplotlib.ticker import MaxNLocator
 
 from .. import theory
-from ..lab import point as experiment
-from ..lab.configs import build_config
+from .. import schema
+from ..configs import build_config
 from .helpers import MIB
 
 SIZES = ("new", "batch", "prompt")
 AXIS_NAMES = {"new": "new tokens", "batch": "batch size", "prompt": "prompt length (tokens)"}
-DESIGNS = [f"{cache} / {loop}" for cache, loop in experiment.DESIGNS]
+DESIGNS = [f"{cache} / {loop}" for cache, loop in schema.DESIGNS]
 MARKERS = "osD^vPX*"
 # Before and after PR #30536, as released: the ratio the PR reports.
 BASELINE, FIXED = ("tuple", "v4.40"), ("dynamic", "v4.42")
@@ -340,10 +340,10 @@ def cache_growth_figure(growth: pd.DataFrame):
 
 
 def speed_figure(runs: pd.DataFrame, title: str):
-    """Appendix A2: every timed run of one length (`runs`: kvlab.lab.timing.speed_runs' rows), tokens/s on the
+    """Appendix A2: every timed run of one length (`runs`: kvlab.timing.speed_runs' rows), tokens/s on the
     left (from zero), the ratio to dynamic's run of the same round on the right (around 1); a dot per run, a red
     tick at the median, so the spread of the repeats is seen next to the differences between contenders."""
-    from ..lab.timing import spread, with_ratios
+    from ..timing import spread, with_ratios
 
     table = spread(runs).reset_index().set_index("contender")
     runs = with_ratios(runs)

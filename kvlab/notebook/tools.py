@@ -13,7 +13,8 @@ from pathlib import Path
 
 import nbformat
 
-from .colab import KERNEL, QUIET_KERNEL, SETUP_TAG, SETUP_CELL, badge, kernel_name
+from ..lab.kernel import KERNEL, QUIET_KERNEL, kernel_name
+from .colab import SETUP_CELL, SETUP_TAG, badge
 
 ROOT = Path(__file__).resolve().parents[2]
 BADGE_LINE = re.compile(r"^.*colab-badge.*$\n?", re.MULTILINE)

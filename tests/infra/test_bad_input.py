@@ -74,7 +74,7 @@ def cases(tmp: Path) -> list[tuple[list[str], str]]:
 
 
 def write_inputs(tmp: Path) -> None:
-    from kvlab.lab.configs import build_config
+    from kvlab.configs import build_config
     good = build_config("toy")
     (tmp / "good").mkdir()
     good.to_json_file(tmp / "good" / "config.json")
@@ -92,7 +92,7 @@ def write_inputs(tmp: Path) -> None:
 # stdout and stderr in files; prints [(exit status, stdout, stderr)] as JSON.
 DRIVER = r"""
 import json, os, runpy, sys, tempfile, traceback
-import kvlab.lab.cli, kvlab.encdec.stream
+import kvlab.cli, kvlab.encdec.stream
 results = []
 folder = tempfile.mkdtemp()
 for index, argv in enumerate(json.loads(sys.argv[1])):

@@ -57,7 +57,7 @@ BAD_INPUTS = [
 def test_bad_input_exits_with_one_line_naming_the_choices_before_any_model_is_built(args, names, monkeypatch,
                                                                                     capsys):
     import kvlab.models
-    from kvlab.lab.cli import main
+    from kvlab.cli import main
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built for bad input")
@@ -70,7 +70,7 @@ def test_bad_input_exits_with_one_line_naming_the_choices_before_any_model_is_bu
 
 
 def test_predict_explains_the_peak(capsys):
-    from kvlab.lab.cli import main
+    from kvlab.cli import main
     main(["predict", "--preset", "llama2-7b", "--dtype", "bfloat16", "--cache", "tuple", "--loop", "v4.40", "--batch",
           "8", "--prompt", "300", "--new", "500", "--device", "meta", "--json"])
     [explained] = json.loads(capsys.readouterr().out)["designs"]
@@ -80,8 +80,8 @@ def test_predict_explains_the_peak(capsys):
 
 def test_help_states_the_defaults_a_point_gets(capsys):
     """`measure --help` says what an unset flag becomes, and normalize gives the point exactly that."""
-    from kvlab.lab.cli import main
-    from kvlab.lab.point import normalize
+    from kvlab.cli import main
+    from kvlab.lab.params import normalize
     with pytest.raises(SystemExit):
         main(["measure", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
@@ -93,7 +93,7 @@ def test_help_states_the_defaults_a_point_gets(capsys):
 
 
 def test_measure_prints_a_short_table_in_mib(capsys):
-    from kvlab.lab.cli import main
+    from kvlab.cli import main
     point = ["measure", "--override", "num_hidden_layers=1", "--batch", "2", "--prompt", "8", "--new", "4",
              "--device", "cpu", "--no-timing"]
     main(point)
@@ -110,7 +110,7 @@ def test_measure_prints_a_short_table_in_mib(capsys):
 
 def test_every_verb_takes_the_presets_it_runs_and_names_the_verb_for_the_others():
     from kvlab.encdec import stream
-    from kvlab.lab.point import normalize
+    from kvlab.lab.params import normalize
     from kvlab.presets import DECODERS, ENCODER_DECODERS
     for preset in DECODERS:  # measure, predict, compare and sweep normalize their points
         assert normalize(preset=preset, device="meta")["preset"] == preset
@@ -125,7 +125,7 @@ def test_every_verb_takes_the_presets_it_runs_and_names_the_verb_for_the_others(
 def test_stream_serves_a_preset_named_on_the_command_line(tmp_path, capsys):
     """bart-base at small widths, one request, two modes: the bar counts the 2 requests, the summary is singular."""
     from kvlab.encdec.stream import load_records
-    from kvlab.lab.cli import main
+    from kvlab.cli import main
     small = ("d_model=64,encoder_layers=1,decoder_layers=1,encoder_attention_heads=4,decoder_attention_heads=4,"
              "encoder_ffn_dim=128,decoder_ffn_dim=128,vocab_size=500")
     main(["stream", "encdec-cpu", "--preset", "bart-base", "--override", small, "--count", "1", "--modes",

@@ -24,7 +24,8 @@ import nbformat
 import papermill
 import pytest
 
-from kvlab.notebook.colab import QUIET_KERNEL, SETUP_TAG
+from kvlab.lab.kernel import QUIET_KERNEL
+from kvlab.notebook.colab import SETUP_TAG
 from kvlab.notebook.tools import declared_parameters, is_setup_cell
 
 ROOT = Path(__file__).resolve().parents[2]

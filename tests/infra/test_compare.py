@@ -5,7 +5,7 @@ import sys
 
 import pandas as pd
 
-from kvlab.lab.point import DESIGNS
+from kvlab.schema import DESIGNS
 
 
 def test_compare_writes_results_figures_and_the_executed_analysis(tmp_path):

@@ -71,7 +71,7 @@ def test_reused_cache_is_allocated_once_and_as_predicted(records):
 
 
 def test_stream_cli_refuses_bad_input_in_one_line(capsys):
-    from kvlab.lab.cli import main
+    from kvlab.cli import main
     for args, message in ((["no-such-stream"], "not found; give a path or one of: encdec-cpu"),
                           (["encdec-cpu", "--modes", "fast"], "unknown mode 'fast'; choose one of: hf-static"),
                           (["encdec-whisper-cpu", "--modes", "reused-max"], "Whisper's decoder applies no encoder mask"),

@@ -17,7 +17,7 @@ import pytest
 import transformers
 
 from kvlab.lab.grid import expand, load_sweep, read_sweep, validate
-from kvlab.lab.point import DESIGNS, REFERENCES
+from kvlab.schema import DESIGNS, REFERENCES
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN = ROOT / "gpu" / "run.sh"
@@ -111,7 +111,7 @@ def pins(path: Path) -> dict[str, str]:
 def test_the_wheelhouse_pins_agree_with_the_lock_and_the_reference():
     from packaging.utils import canonicalize_name
 
-    from kvlab.lab.reference import RELEASES
+    from kvlab.releases import RELEASES
     kernel = pins(ROOT / "scripts" / "wheelhouse-kernel.txt")
     assert {"papermill", "ipykernel", "nbclient", "jupyter-client"} <= set(kernel)
     legacy = pins(ROOT / "scripts" / "wheelhouse-legacy.txt")

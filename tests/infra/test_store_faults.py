@@ -19,7 +19,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from kvlab.lab import cli
+from kvlab import cli
 from kvlab.lab.store import append_row, load_results, rebuild
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,8 +18,8 @@ from kvlab.lab.engines import run_sweep
 from kvlab.lab.grid import SWEEPS_DIR, expand, load_sweep, parse_grid_item, point_id, validate
 from kvlab.lab.runner import failure_status
 from kvlab.lab.store import COLUMNS, done_point_ids, load_results
-from kvlab.lab import cli
-from kvlab.lab.point import DEFAULTS
+from kvlab import cli
+from kvlab.schema import DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = dict(preset="toy", overrides="num_hidden_layers=1", batch=1, prompt=8, new=4, device="cpu")

@@ -1,6 +1,6 @@
-"""kvlab.lab.timing.interleaved runs the contenders in turn, after one warm-up each, and keeps every repeat."""
+"""kvlab.timing.interleaved runs the contenders in turn, after one warm-up each, and keeps every repeat."""
 
-from kvlab.lab.timing import interleaved
+from kvlab.timing import interleaved
 
 
 def test_contenders_run_in_turn_after_one_warm_up_each():
@@ -26,7 +26,7 @@ def test_without_a_warm_up_each_contender_runs_once_more_untimed():
 
 def test_spread_pairs_each_run_with_the_baseline_of_its_own_round():
     import pandas as pd
-    from kvlab.lab.timing import spread
+    from kvlab.timing import spread
 
     # Round 2 is slow for both: the per-round ratio stays 1.25 while the medians alone would mix the rounds.
     runs = pd.DataFrame([dict(new=8, contender=c, repeat=r, tokens_per_s=v) for c, r, v in [

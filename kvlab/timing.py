@@ -30,7 +30,7 @@ def interleaved(contenders: dict[Hashable, Callable[[], float]], repeats: int = 
 def decode_seconds(model, prompt: torch.Tensor, new: int, contender: str) -> float:
     """Seconds to decode `new` tokens after `prompt` (its forward included, as generate() times it): a kvlab cache
     design under the v5 loop, or `transformers` for the model's own greedy generate()."""
-    from ..loops import generate
+    from .loops import generate
 
     if contender != "transformers":
         return generate(model, prompt, new, cache=contender, loop="v5").seconds

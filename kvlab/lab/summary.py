@@ -1,22 +1,14 @@
-"""The main job: the tuple cache of transformers <= 4.41 vs every later design, on the default device: a shipped
-sweep (`cpu-default`: the Llama-2-7B twin in bf16; `cuda-default`: TinyLlama-1.1B in bf16 at the PR's shape), then
-the table, the figures and the executed analysis notebook, in a git-ignored results folder (the committed
-notebooks are never overwritten).
-"""
+"""A sweep's summary: one row per design at the sweep's longest generation, the table `make compare` prints and
+every sweep writes to OUT/summary.md."""
 
 from __future__ import annotations
 
-import datetime
 from pathlib import Path
 
 import pandas as pd
 
-from ..models import resolve_device
-from .grid import expand, load_sweep
-from .engines import run_sweep
-from .point import DESIGNS
+from ..schema import DESIGNS
 
-ANALYSIS_NOTEBOOK = Path(__file__).resolve().parents[2] / "notebooks" / "03_analysis.ipynb"
 MIB = 2**20
 # The parameters a sweep's points may differ in besides the design; the table shows those that do.
 VARYING = ("preset", "overrides", "runtime", "strategy", "dtype", "batch", "prompt", "track_storages")
@@ -70,48 +62,3 @@ def write_summary(results: pd.DataFrame, path: Path, title: str) -> None:
         lines += ["## Not ok", ""] + [f"- {r['status']}: {r['preset']} {r['kind']} {r['cache']}/{r['loop']} "
                                       f"({r['point_id']}): {r['error']}" for _, r in failed.iterrows()]
     path.write_text("\n".join(lines).rstrip() + "\n")
-
-
-def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
-    device = resolve_device(device)
-    fixed, grid = load_sweep("cuda-default" if device.startswith("cuda") else "cpu-default")
-    fixed.update(device=device, **{k: v for k, v in dict(preset=preset, **sizes).items() if v is not None})
-    if sizes.get("new") is not None:
-        grid.pop("new", None)
-    out = Path(out or f"results/compare-{datetime.datetime.now():%Y%m%d-%H%M%S}")
-    # run_sweep validates every point before anything runs: a bad input is refused with no folder made.
-    results = run_sweep(expand(fixed, grid), out, command="python -m kvlab compare")
-    for _, row in results[results["status"] != "ok"].iterrows():
-        print(f"{row['status']}: {row['cache']}/{row['loop']} new={row['new']}: {row['error']}")
-    table, longest = comparison_table(results), longest_ok(results)
-
-    import papermill
-
-    from ..notebook import plots
-    from ..notebook.colab import QUIET_KERNEL, kernel_name  # `kvlab` where make registered it, else python3
-    figures = {out / "compare.png": plots.compare_figure(longest)}
-    if results["new"].nunique() > 1:
-        figures[out / "overhead_vs_new_tokens.png"] = plots.overhead_figure(results, "new")
-    for path, figure in figures.items():
-        figure.savefig(path, dpi=120, bbox_inches="tight")
-    analysis = out / "03_analysis.ipynb"
-    papermill.execute_notebook(str(ANALYSIS_NOTEBOOK), str(analysis), kernel_name=kernel_name(), progress_bar=False,
-                               parameters={"results_csv": str((out / "results.csv").resolve())},
-                               cwd=str(ANALYSIS_NOTEBOOK.parent.parent), extra_arguments=QUIET_KERNEL)
-
-    first = longest.iloc[0]
-    print(f"\n{first['preset']} on {first['device_name']} ({first['device']}, {first['dtype']}), "
-          f"batch {first['batch']}, prompt {first['prompt']}, {first['new']} new tokens, greedy; "
-          f"final KV cache {first['kv_final_bytes'] / MIB:.1f} MiB")
-    if device == "cpu" and sizes.get("batch") is None and sizes.get("new") is None:
-        print(f"(batch {first['batch']} and {first['new']} new tokens, not the H200 points' 8 and 500, to stay within "
-              "a few minutes: overhead/KV is flat in batch (cpu-batch, 1 to 8); fixed costs, such as 4.42's prompt "
-              "logits, weigh more against a shorter cache (cpu-new-tokens); --batch 8 --new 500 runs that shape)")
-    print(table.to_string(index=False))
-    baseline = longest[(longest["cache"] == "tuple") & (longest["loop"] == "v4.40")]["overhead_bytes"]
-    best = longest[(longest["loop"] == "v5") & (longest["cache"] != "tuple")]["overhead_bytes"].min()
-    if len(baseline) and best:
-        print(f"\ntuple / v4.40 (<= 4.41) over the best v5 design's overhead: {baseline.iloc[0] / best:.2f}x")
-    print(f"\nresults: {out / 'results.csv'}", *(f"figure:  {path}" for path in figures),
-          f"analysis notebook (executed): {analysis}", sep="\n")
-    return table

@@ -13,12 +13,12 @@ import signal
 import sys
 from pathlib import Path
 
-from ..caches import CACHES
-from ..explain import explain_point
-from ..loops import LOOPS, STRATEGIES
-from ..presets import DECODERS
-from .point import DEFAULTS, DESIGNS, KINDS
-from .reference import ReferenceInstallError
+from .caches import CACHES
+from .explain import explain_point
+from .loops import LOOPS, STRATEGIES
+from .presets import DECODERS
+from .schema import DEFAULTS, DESIGNS, KINDS
+from .releases import ReferenceInstallError
 
 # The point's options (--restart-new sets restart_new) and what each is; a number's metavar is N.
 POINT_OPTIONS = {
@@ -90,14 +90,14 @@ def format_record(r: dict) -> str:
 
 
 def cmd_measure(args) -> None:
-    from .point import run_point  # it checks every input before a model is built
+    from .lab.point import run_point  # it checks every input before a model is built
     record = run_point(**_point_params(args))
     print(json.dumps(record) if args.json else format_record(record))
 
 
 def cmd_predict(args) -> None:
-    from .point import normalize
-    from .predict import format_prediction, parse_bytes, predict
+    from .lab.params import normalize
+    from .lab.predict import format_prediction, parse_bytes, predict
     memory = parse_bytes(args.memory) if args.memory is not None else None
     p = normalize(**_point_params(args))
     # Every design, those of one cache or loop, or exactly the (cache, loop) asked for.
@@ -136,9 +136,9 @@ def cmd_sweep(args) -> None:
 
 
 def _sweep(args) -> None:
-    from .engines import ENGINES, run_sweep
-    from .grid import expand, load_sweep, merge_grid_items, point_id, point_label, read_sweep, validate
-    from .store import rebuild
+    from .lab.engines import ENGINES, run_sweep
+    from .lab.grid import expand, load_sweep, merge_grid_items, point_id, point_label, read_sweep, validate
+    from .lab.store import rebuild
     if args.engine not in ENGINES:
         raise ValueError(f"unknown engine {args.engine!r}; choose one of {', '.join(ENGINES)}")
     engine_options = dict(address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
@@ -176,7 +176,7 @@ def _sweep(args) -> None:
 
 
 def cmd_stream(args) -> None:
-    from ..encdec.stream import load_stream, run
+    from .encdec.stream import load_stream, run
     overrides = ",".join(args.override) if args.override else ("" if args.preset else None)
     settings = load_stream(args.stream, preset=args.preset, overrides=overrides, modes=args.modes, count=args.count,
                            device=args.device, compile_backend=args.compile_backend)
@@ -188,8 +188,8 @@ def cmd_stream(args) -> None:
 
 
 def _stream_arguments(parser: argparse.ArgumentParser) -> None:
-    from ..encdec import stream
-    from ..presets import ENCODER_DECODERS
+    from .encdec import stream
+    from .presets import ENCODER_DECODERS
     parser.description = stream.__doc__.split("\n\n")[0]
     file = "(default: the stream file's)"
     parser.add_argument("stream", help="stream YAML: a path or one of: "
@@ -206,9 +206,9 @@ def _stream_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _sweep_arguments(parser: argparse.ArgumentParser) -> None:
-    from .engines import ENGINES
-    from .grid import SWEEPS_DIR
-    from .runner import POINT_NOTEBOOK
+    from .lab.engines import ENGINES
+    from .lab.grid import SWEEPS_DIR
+    from .lab.runner import POINT_NOTEBOOK
     parser.description = ("Run a grid of experiment points with papermill: one fresh kernel per point, resumable, "
                           "failures are rows.")
     parser.add_argument("file", nargs="?", metavar="sweep", help="sweep YAML (fixed: + grid:), a path or one of: "

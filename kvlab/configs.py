@@ -14,7 +14,7 @@ from huggingface_hub.errors import StrictDataclassError
 from huggingface_hub.utils import HFValidationError, validate_repo_id
 from transformers import AutoConfig
 
-from ..presets import DECODERS, ENCODER_DECODERS, PRESETS
+from .presets import DECODERS, ENCODER_DECODERS, PRESETS
 
 
 def parse_value(text: str):
