@@ -96,16 +96,9 @@ def cmd_measure(args) -> None:
 
 
 def cmd_predict(args) -> None:
-    from .lab.params import normalize
-    from .lab.predict import format_prediction, parse_bytes, predict
-    memory = parse_bytes(args.memory) if args.memory is not None else None
-    p = normalize(**_point_params(args))
-    # Every design, those of one cache or loop, or exactly the (cache, loop) asked for.
-    designs = [(cache, loop) for cache, loop in DESIGNS if args.cache in (None, cache) and args.loop in (None, loop)]
-    if not designs or (args.cache and args.loop):
-        designs = [(p["cache"], p["loop"])]
-    result = predict(p, designs, memory, max_batch=args.max_batch, max_new=args.max_new)
-    print(json.dumps(result, indent=2) if args.json else format_prediction(result))
+    from .lab.predict import predict
+    result = predict(**_point_params(args), memory=args.memory, max_batch=args.max_batch, max_new=args.max_new)
+    print(json.dumps(result, indent=2) if args.json else result)
 
 
 def cmd_explain(args) -> None:

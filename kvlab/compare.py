@@ -13,10 +13,11 @@ import pandas as pd
 
 from .lab.engines import run_sweep
 from .lab.grid import expand, load_sweep
+from .lab.runner import PROJECT_DIR
 from .lab.summary import MIB, comparison_table, longest_ok
 from .models import resolve_device
 
-ANALYSIS_NOTEBOOK = Path(__file__).resolve().parents[1] / "notebooks" / "03_analysis.ipynb"
+ANALYSIS_NOTEBOOK = PROJECT_DIR / "notebooks" / "03_analysis.ipynb"
 
 
 def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
@@ -44,7 +45,7 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
     analysis = out / "03_analysis.ipynb"
     papermill.execute_notebook(str(ANALYSIS_NOTEBOOK), str(analysis), kernel_name=kernel_name(), progress_bar=False,
                                parameters={"results_csv": str((out / "results.csv").resolve())},
-                               cwd=str(ANALYSIS_NOTEBOOK.parent.parent), extra_arguments=QUIET_KERNEL)
+                               cwd=str(PROJECT_DIR), extra_arguments=QUIET_KERNEL)
 
     first = longest.iloc[0]
     print(f"\n{first['preset']} on {first['device_name']} ({first['device']}, {first['dtype']}), "

@@ -177,13 +177,16 @@ def test_overhead_is_the_batch_times_that_of_batch_one():
 
 def test_max_batch_and_max_new_are_the_largest_that_fit(no_model):
     memory = parse_bytes("14.5GiB")
-    p = normalize(preset="mistral-7b-v0.1", dtype="bfloat16", batch=1, prompt=300, new=8000)
-    designs = [("dynamic", "v5"), ("tuple", "v4.40")]
-    result = kvlab.lab.predict.predict(p, designs, memory, max_batch=True, max_new=True)
+    point = dict(dtype="bfloat16", batch=1, prompt=300, new=8000)
+    p = normalize(preset="mistral-7b-v0.1", **point)
+    rows = {}
+    for cache, loop in [("dynamic", "v5"), ("tuple", "v4.40")]:
+        result = kvlab.predict("mistral-7b-v0.1", cache=cache, loop=loop, memory="14.5GiB", max_batch=True,
+                               max_new=True, **point)
+        rows[cache, loop] = result["designs"][0]
     config, weights = build_config("mistral-7b-v0.1"), result["weights_bytes"]
     fits = lambda cache, loop, **change: weights + theory.predict_overhead(  # noqa: E731
         config, **kvlab.lab.predict.point_of(p, cache=cache, loop=loop, **change)) <= memory
-    rows = {(d["cache"], d["loop"]): d for d in result["designs"]}
     for (cache, loop), row in rows.items():
         assert row["max_batch"] == 0 or fits(cache, loop, batch=row["max_batch"])
         assert not fits(cache, loop, batch=row["max_batch"] + 1)

@@ -16,7 +16,8 @@ from .. import theory
 from ..meter import weight_bytes
 from ..models import instantiate, parse_dtype
 from ..configs import DECODERS, is_hub_id, load_config
-from ..schema import beams
+from ..schema import DESIGNS, beams
+from .params import normalize
 
 GIB = 2**30
 # Decoders whose layers kvlab.theory walks through (attention with grouped KV heads, gated MLP; GPT-OSS's eager
@@ -24,6 +25,14 @@ GIB = 2**30
 MODELED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss")
 UNITS = {"": 1, "b": 1, "byte": 1, "bytes": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20,
          "gb": 10**9, "gib": 2**30, "tb": 10**12, "tib": 2**40}
+
+
+class Prediction(dict):
+    """`predict`'s answer: a plain dict (`json.dumps` writes it whole; each design's row under "designs", with
+    "peak_bytes" and, given a memory, "fits") that prints as the table `kvlab predict` shows."""
+
+    def __str__(self) -> str:
+        return format_prediction(self)
 
 
 class TooBig(ValueError):
@@ -80,13 +89,30 @@ def largest_new(fits, limit: int) -> int:
     return bisect.bisect_left(range(1, limit), True, key=lambda n: not fits(n))
 
 
-def predict(p: dict, designs, memory: int | None = None, max_batch: bool = False, max_new: bool = False) -> dict:
-    """The predicted peak of a normalized point under each (cache, loop) design; `fits` when `memory` is given, and
-    the inverse questions for that memory: the largest batch (`max_batch`; every byte theory counts is per
-    sequence, so the overhead is the batch times that of batch 1) and the longest generation (`max_new`, up to
-    the model's context)."""
+def predict(preset: str = "toy", *, memory=None, max_batch: bool = False, max_new: bool = False,
+            cache: str | None = None, loop: str | None = None, **point) -> Prediction:
+    """The predicted peak of `generate()` for `preset` (a preset, a config.json or a hub id) before anything is
+    allocated, under every (cache, loop) design of kvlab.schema.DESIGNS, those of one `cache` or `loop`, or exactly
+    the pair given. `point`: batch, prompt, new, dtype, strategy, num_beams, restart_new, overrides (as `measure`).
+
+    With `memory` ("80GiB", "22.5 GB" or bytes) each design says whether it fits, and answers the inverse questions
+    for that memory: the largest batch (`max_batch`; every byte theory counts is per sequence, so the overhead is
+    the batch times that of batch 1) and the longest generation (`max_new`, up to the model's context).
+    """
     if (max_batch or max_new) and memory is None:
         raise ValueError("--max-batch and --max-new answer for a memory size: give --memory too")
+    memory = None if memory is None else parse_bytes(memory)
+    p = normalize(preset=preset, cache=cache, loop=loop, **point)
+    return _predict(p, designs_for(cache, loop, p), memory, max_batch, max_new)
+
+
+def designs_for(cache: str | None, loop: str | None, p: dict) -> list[tuple[str, str]]:
+    """Every design, those of one cache or loop, or exactly the (cache, loop) asked for (normalized in `p`)."""
+    designs = [(c, l) for c, l in DESIGNS if cache in (None, c) and loop in (None, l)]
+    return designs if designs and not (cache and loop) else [(p["cache"], p["loop"])]
+
+
+def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: bool) -> Prediction:
     config = load_config(p["preset"], p["overrides"])
     if config.model_type not in MODELED:
         raise ValueError(f"{p['preset']}: model_type {config.model_type!r} is not modelled by kvlab.theory, which "
@@ -111,7 +137,8 @@ def predict(p: dict, designs, memory: int | None = None, max_batch: bool = False
     model = {key: getattr(config, key, None) for key in ("model_type", "num_hidden_layers", "hidden_size",
                                                          "num_attention_heads", "num_key_value_heads", "vocab_size")}
     # num_beams as in a measured record: 1 unless the point searches beams.
-    return dict(**sizes, num_beams=beams(p), model=model, weights_bytes=weights, memory_bytes=memory, designs=rows)
+    return Prediction(**sizes, num_beams=beams(p), model=model, weights_bytes=weights, memory_bytes=memory,
+                      designs=rows)
 
 
 def format_prediction(result: dict) -> str:

@@ -19,8 +19,12 @@ from .predict import TooBig, check_fits
 from .grid import point_id, point_label
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
+# The folder holding notebooks/ and data/: the checkout kvlab runs from (an editable install, make), else the copies
+# a wheel carries inside the package (pyproject.toml maps them to kvlab/notebooks and kvlab/data).
+PROJECT_DIR = next(folder for folder in (PACKAGE_DIR.parent, PACKAGE_DIR)
+                   if (folder / "notebooks" / "A1_experiment_point.ipynb").exists())
 # The notebook every point runs; named here only (scripts ask: python -c "from kvlab.lab.runner import POINT_NOTEBOOK").
-POINT_NOTEBOOK = PACKAGE_DIR.parent / "notebooks" / "A1_experiment_point.ipynb"
+POINT_NOTEBOOK = PROJECT_DIR / "notebooks" / "A1_experiment_point.ipynb"
 OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
 
 
@@ -83,7 +87,7 @@ def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = N
         parameters = dict(params, record_path=str(record_path))
         papermill.execute_notebook(str(notebook), str(executed), parameters=parameters,
                                    kernel_name=kernel_name or notebook_kernel(), progress_bar=False, log_output=False,
-                                   cwd=str(PACKAGE_DIR.parent), extra_arguments=QUIET_KERNEL,
+                                   cwd=str(PROJECT_DIR), extra_arguments=QUIET_KERNEL,
                                    execution_timeout=timeout)
         row.update(json.loads(record_path.read_text()), status="ok", error=None)
         record_path.unlink()

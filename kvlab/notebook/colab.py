@@ -42,5 +42,5 @@ if "google.colab" in sys.modules and not os.path.isdir("../data"):
         repository = os.environ.get("KVLAB_REPOSITORY", "{REPOSITORY}")
         !git clone --quiet --depth 1 {{repository}} kvlab
         !echo "torch=={{version('torch')}}" > keep-torch.txt
-        %pip install --quiet --constraint keep-torch.txt ./kvlab
+        %pip install --quiet --constraint keep-torch.txt "./kvlab[notebooks]"
     os.chdir("kvlab/notebooks")'''
