@@ -50,7 +50,9 @@ compare: $(READY)
 WORKERS ?= 2
 PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(WORKERS) --dist loadgroup
 
+# The layers first (import-linter: a second's work), then the lesson's guarantees.
 test: $(READY) $(LEGACY)
+	$(BIN)/lint-imports --no-cache
 	$(PYTEST) -m "not slow" --ignore=tests/infra tests
 
 test-all: $(READY) $(LEGACY) $(OLDEST)

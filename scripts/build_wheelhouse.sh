@@ -78,7 +78,7 @@ cat > "$DEST/install.sh" <<'INSTALL'
 #!/usr/bin/env bash
 # Offline install of this wheelhouse on the GPU node (Python 3.12 with torch and transformers 5.x).
 #   bash install.sh [SITE] [LEGACY_TARGET]
-# SITE defaults to /tmp/site; Ray too if ray/ is here. kvlab.lab.reference looks for transformers 4.40.1 in
+# SITE defaults to /tmp/site; Ray too if ray/ is here. kvlab.releases looks for transformers 4.40.1 in
 # .legacy-tf next to the kvlab package it runs from: run in a kvlab checkout, LEGACY_TARGET defaults to
 # ./.legacy-tf; elsewhere (the kvlab wheel alone) to SITE/.legacy-tf.
 # then: export PYTHONPATH=SITE:$PYTHONPATH PATH=SITE/bin:$PATH

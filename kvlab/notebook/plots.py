@@ -16,7 +16,7 @@ from .helpers import MIB
 
 SIZES = ("new", "batch", "prompt")
 AXIS_NAMES = {"new": "new tokens", "batch": "batch size", "prompt": "prompt length (tokens)"}
-DESIGNS = [f"{cache} / {loop}" for cache, loop in schema.DESIGNS]
+DESIGN_LABELS = [f"{cache} / {loop}" for cache, loop in schema.DESIGNS]  # "cache / loop", in DESIGNS order
 MARKERS = "osD^vPX*"
 # Before and after PR #30536, as released: the ratio the PR reports.
 BASELINE, FIXED = ("tuple", "v4.40"), ("dynamic", "v4.42")
@@ -139,7 +139,7 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new"):
               ("today's loop (v5), every design (y zoomed)", rows[rows["loop"] == "v5"])]
     panels = [(name, part) for name, part in panels if not part.empty]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.9 * len(panels), 4.3), squeeze=False)
-    designs = [d for d in DESIGNS if d in set(rows["design"])] + sorted(set(rows["design"]) - set(DESIGNS))
+    designs = [d for d in DESIGN_LABELS if d in set(rows["design"])] + sorted(set(rows["design"]) - set(DESIGN_LABELS))
     colours = dict(zip(designs, sns.color_palette("tab10", len(designs))))
     for ax, (name, part) in zip(axes[0], panels):
         for (preset, design), line in part.groupby(["preset", "design"], sort=False):
