@@ -284,6 +284,11 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# The modules each extra of pyproject.toml brings (the smallest extra that has each).
+EXTRAS = {"lab": ("papermill", "nbformat", "ipykernel", "jupyter_client", "pandas", "psutil", "nbclient"),
+          "notebooks": ("matplotlib", "seaborn", "ipywidgets"), "ray": ("ray",)}
+
+
 def main(argv=None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
@@ -293,3 +298,10 @@ def main(argv=None) -> None:
     except (ValueError, ReferenceInstallError) as error:  # bad input (2), or the machine's fault, not the input's (1)
         print(f"kvlab {args.command}: error: {error}", file=sys.stderr)
         sys.exit(2 if isinstance(error, ValueError) else 1)
+    except ModuleNotFoundError as error:  # the lesson needs torch and transformers alone; the machinery, an extra
+        extra = next((name for name, modules in EXTRAS.items() if error.name in modules), None)
+        if extra is None:
+            raise
+        print(f"kvlab {args.command}: error: it needs {error.name}, which comes with kvlab's {extra} extra: "
+              f"pip install 'kvlab[{extra}]'", file=sys.stderr)
+        sys.exit(1)

@@ -59,3 +59,14 @@ def test_the_installed_command_runs_a_command_once(command, tmp_path):
                             cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.count("toy: llama, 4 layers") == 1, result.stdout
+
+
+def test_the_command_line_needs_no_extra_to_predict_and_names_the_extra_a_sweep_needs(tmp_path):
+    predict = run_python(WITHOUT_EXTRAS + "from kvlab.cli import main\n"
+                         "main(['predict', '--preset', 'toy', '--batch', '1', '--prompt', '8', '--new', '2'])\n", tmp_path)
+    assert predict.count("toy: llama, 4 layers") == 1
+    sweep = subprocess.run([sys.executable, "-c", WITHOUT_EXTRAS + "from kvlab.cli import main\n"
+                            "main(['sweep', 'cpu-batch', '--grid', 'preset=toy', '--out', 'out'])\n"],
+                           cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""})
+    assert sweep.returncode == 1 and "pip install 'kvlab[lab]'" in sweep.stderr, sweep.stderr[-2000:]

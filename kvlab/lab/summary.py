@@ -4,8 +4,10 @@ every sweep writes to OUT/summary.md."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import pandas as pd
+if TYPE_CHECKING:  # pandas is the lab extra's: the command line's parser imports this module without it
+    import pandas as pd
 
 from ..schema import DESIGNS
 
@@ -35,10 +37,14 @@ def comparison_table(df: pd.DataFrame) -> pd.DataFrame:
                 "error_%": (100 * rows["prediction_error"]).round(2), "tokens/s": rows["tokens_per_s"].round(1)}
     if ((rows["meter"] == "cuda-allocator") & rows["storages_peak_bytes"].notna()).any():
         columns["storages_MiB"] = (rows["storages_peak_bytes"] / MIB).round(2)  # the live-storage meter beside CUDA's
+    import pandas as pd
+
     return pd.DataFrame(columns).reset_index(drop=True)
 
 
 def markdown(table: pd.DataFrame) -> str:
+    import pandas as pd
+
     # DataFrame.to_markdown needs tabulate, which kvlab does not otherwise need (nor has the GPU node): 4 lines.
     lines = ["| " + " | ".join(table.columns) + " |",
              "|" + "".join("---:|" if pd.api.types.is_numeric_dtype(table[c]) else "---|" for c in table)]
