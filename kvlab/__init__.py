@@ -2,8 +2,11 @@
 
     from kvlab import build_model, make_cache, generate, MemoryMeter, predict
 
+    print(predict("llama2-7b", batch=8, prompt=300, new=500, dtype="bfloat16", memory="80GiB"))
+
 Read in this order: caches (the designs), loops (three releases' generate()), meter (live bytes, and
-profiler: its independent check), theory (the peak, term by term), models (presets and twins).
+profiler: its independent check), theory (the peak, term by term), models and presets (twins of real models).
+The README's "Using kvlab" runs all five names.
 """
 
 __version__ = "0.1.0"
