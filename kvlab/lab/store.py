@@ -1,7 +1,6 @@
 """The results folder: OUT/records/<point_id>.json, each point's row, saved whole as the point ends (a kill or a full
-disk loses at most that point); OUT/results.csv, the table remade from them after every row (a damaged one set
-aside and rebuilt, one from before the records had its rows saved as records); OUT/provenance.json, a log of every
-run. Every write holds a file lock, so writers sharing a folder (two sweeps, the Ray driver and a local sweep)
+disk loses at most that point): the one truth; OUT/results.csv, the table remade from them after every row (a
+damaged one set aside); OUT/provenance.json, a log of every run. Every write holds a file lock, so writers sharing a folder (two sweeps, the Ray driver and a local sweep)
 never lose or duplicate each other's rows.
 """
 
@@ -124,29 +123,29 @@ def _save_row(records: Path, row: dict) -> None:
 
 
 def _rows(path: Path) -> list[dict]:
-    """The folder's rows in the table's order, the table checked against the records (hold the lock)."""
-    records, saved = path.parent / "records", {}
-    # Oldest first. Other JSON there (from kvlab versions that kept the notebook's record there) is left alone.
-    for record in sorted(records.glob("*.json"), key=lambda p: (p.stat().st_mtime_ns, p.name)):
+    """The folder's rows, from its records (the one truth), in the order the points started; the table beside them
+    checked, and set aside if damaged, since it is remade from them (hold the lock)."""
+    records, saved, lost = path.parent / "records", {}, set()
+    for record in sorted(records.glob("*.json")):
         try:
             row = json.loads(record.read_text())
         except ValueError as error:  # not JSON, not text: a torn copy or a hand edit
-            _set_aside(record, f"not JSON: {error}", "its row comes from the table if it has one, else its point reruns")
+            _set_aside(record, f"not JSON: {error}", "its point runs again")
+            lost.add(record.stem)
             continue
         if isinstance(row, dict) and row.get("point_id") and row.get("status") in STATUSES:
             saved[row["point_id"]] = row
     table, damage = _table_rows(path)
-    if damage and not saved:
+    if damage and not saved:  # nothing to remake it from: leave it as it is for a person to look at
         raise ValueError(f"{path} is damaged ({damage}) and {records} holds no rows to rebuild it from: "
                          f"repair the file or move it away")
     if damage:
-        _set_aside(path, damage, f"the table is rebuilt from {records}")
-    for row in table:  # a row only the table holds (saved before records held rows): saved as a record now
-        if row["point_id"] not in saved:
-            saved[row["point_id"]] = {key: None if value == "" else value for key, value in row.items()}
-            _save_row(records, saved[row["point_id"]])
-    in_table = {row["point_id"]: None for row in table}
-    return [saved[point] for point in [*in_table, *(point for point in saved if point not in in_table)]]
+        _set_aside(path, damage, f"the table is remade from {records}")
+    if orphans := [row["point_id"] for row in table if row["point_id"] not in saved.keys() | lost]:
+        raise ValueError(f"{path} has rows with no record in {records} ({', '.join(orphans[:3])}"
+                         f"{', ...' if len(orphans) > 3 else ''}): the table is remade from the records, so those rows "
+                         f"would be lost; move the table away, or put their records back")
+    return sorted(saved.values(), key=lambda row: (str(row.get("started_at") or ""), row["point_id"]))
 
 
 def _write_table(path: Path, rows: list[dict], columns: list[str] = COLUMNS) -> None:
@@ -156,18 +155,6 @@ def _write_table(path: Path, rows: list[dict], columns: list[str] = COLUMNS) -> 
     writer.writeheader()
     writer.writerows({key: "" if row.get(key) is None else row[key] for key in columns} for row in rows)
     replace_text(path, text.getvalue())
-
-
-def replace_rows(path: str | os.PathLike, rows: list[dict], replaced, columns: list[str]) -> None:
-    """Write `rows` in place of the stored rows for which `replaced(row)` is true and keep the others, under
-    the file's lock, the file replaced at once (the request stream, kvlab.encdec.stream, stores its rows so)."""
-    path = Path(path)
-    with locked(path):
-        kept = []
-        if path.exists():
-            with path.open(newline="") as handle:
-                kept = [row for row in csv.DictReader(handle) if not replaced(row)]
-        _write_table(path, kept + rows, columns)
 
 
 def append_row(path: str | os.PathLike, row: dict) -> None:

@@ -20,7 +20,7 @@ import pandas as pd
 import pytest
 
 from kvlab import cli
-from kvlab.lab.store import append_row, load_results, rebuild
+from kvlab.lab.store import append_row, done_point_ids, load_results, rebuild
 
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED = ROOT / "data" / "cpu" / "results.csv"
@@ -107,22 +107,25 @@ def test_a_row_saved_onto_a_torn_table_keeps_every_row(tmp_path, capsys):
     assert f"{out / 'results.csv'} is damaged (its last line is cut off)" in capsys.readouterr().err
     table = load_results(out)
     assert sorted(table["point_id"]) == sorted(row["point_id"] for row in measured_rows(6)) and same_as_measured(table)
-    assert table["point_id"].iloc[-1] == measured_rows(6)[5]["point_id"]
 
 
-def test_a_damaged_record_is_set_aside_and_its_row_taken_from_the_table(tmp_path, capsys):
+def test_a_damaged_record_is_set_aside_and_its_point_runs_again(tmp_path, capsys):
+    """The records are the one truth: a record cut short loses its row (the table is remade without it), and the
+    next sweep measures that point again."""
     out = folder_with_rows(tmp_path / "out", count=3)
-    record = out / "records" / f"{measured_rows(2)[1]['point_id']}.json"
+    lost = measured_rows(2)[1]["point_id"]
+    record = out / "records" / f"{lost}.json"
     record.write_bytes(record.read_bytes()[:300])  # cut short
-    assert len(rebuild(out / "results.csv")) == 3
+    assert len(rebuild(out / "results.csv")) == 2
     assert f"kvlab: {record} is damaged (not JSON: " in capsys.readouterr().err
     assert len(list((out / "records").glob("*.json.damaged-*"))) == 1
     table = load_results(out)
-    assert list(table["point_id"]) == [row["point_id"] for row in measured_rows(3)] and same_as_measured(table)
+    assert lost not in set(table["point_id"]) and len(table) == 2 and same_as_measured(table)
+    assert lost not in done_point_ids(out / "results.csv")
 
 
 def test_a_damaged_table_without_records_stops_the_sweep_in_one_line(tmp_path, capsys):
-    """A folder from before records held rows: nothing to rebuild from, so nothing is touched or run."""
+    """A damaged table and no records: nothing to remake it from, so nothing is touched or run."""
     out = tmp_path / "out"
     out.mkdir()
     shutil.copy(MEASURED, out / "results.csv")
@@ -137,17 +140,14 @@ def test_a_damaged_table_without_records_stops_the_sweep_in_one_line(tmp_path, c
     assert not list((out / "notebooks").glob("*")) and not list(out.glob("results.csv.*"))  # no point ran
 
 
-def test_a_table_from_before_records_is_kept_and_saved_as_records(tmp_path):
+def test_a_table_whose_rows_have_no_records_is_refused_not_lost(tmp_path):
+    """The table is remade from the records: rows that only the table holds would vanish, so nothing is written."""
     out = tmp_path / "out"
     out.mkdir()
     shutil.copy(MEASURED, out / "results.csv")
-    rows = rebuild(out / "results.csv")
-    assert len(rows) == len(measured_rows()) == len(list((out / "records").glob("*.json")))
-    table = load_results(out)
-    assert list(table["point_id"]) == list(pd.read_csv(MEASURED)["point_id"]) and same_as_measured(table)
-    (out / "results.csv").unlink()  # from now on the records alone rebuild it
-    rebuild(out / "results.csv")
-    assert sorted(load_results(out)["point_id"]) == sorted(table["point_id"])
+    with pytest.raises(ValueError, match="has rows with no record in .*would be lost"):
+        rebuild(out / "results.csv")
+    assert (out / "results.csv").read_bytes() == Path(MEASURED).read_bytes()
 
 
 # A writer that saves rows p0, p1, ... and prints each one's number once append_row returned. With KILL_AT
