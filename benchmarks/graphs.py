@@ -13,8 +13,8 @@ import argparse
 
 import torch
 
-from kvlab.graphs.conversion import conversion_table
 from kvlab.graphs import VARIANTS, time_variants
+from kvlab.graphs.conversion import conversion_table
 from kvlab.models import build_model
 
 
@@ -30,17 +30,22 @@ def main():
 
     print("cache MiB  tuples->cache s/GiB  peak/cache  copies | cache->tuples us  peak  views")
     for row in conversion_table(tuple(int(s) for s in args.sizes_mib.split(","))):
-        print(f"{row['cache_bytes'] / 2**20:9.0f}  {row['to_cache_seconds_per_gib']:19.3f}  "
-              f"{row['to_cache_peak_bytes'] / row['cache_bytes']:10.3f}  {str(row['to_cache_copies']):6s} | "
-              f"{row['to_tuples_seconds'] * 1e6:16.1f}  {row['to_tuples_peak_bytes']:4d}  {row['to_tuples_views']}")
+        print(
+            f"{row['cache_bytes'] / 2**20:9.0f}  {row['to_cache_seconds_per_gib']:19.3f}  "
+            f"{row['to_cache_peak_bytes'] / row['cache_bytes']:10.3f}  {str(row['to_cache_copies']):6s} | "
+            f"{row['to_tuples_seconds'] * 1e6:16.1f}  {row['to_tuples_peak_bytes']:4d}  {row['to_tuples_views']}"
+        )
 
     model = build_model(args.preset)
-    prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt),
-                           generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(
+        0, model.config.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0)
+    )
     seconds = time_variants(model, prompt, args.new, repeats=args.repeats)
     base = seconds[VARIANTS[0]]
-    print(f"\n{args.preset}, float32, cpu, batch {args.batch}, prompt {args.prompt}, {args.new} new; "
-          f"median of {args.repeats}, interleaved")
+    print(
+        f"\n{args.preset}, float32, cpu, batch {args.batch}, prompt {args.prompt}, {args.new} new; "
+        f"median of {args.repeats}, interleaved"
+    )
     print("runtime    cache     tokens/s  speed vs eager dynamic")
     for (runtime, cache), value in seconds.items():
         print(f"{runtime:10s} {cache:9s} {args.batch * args.new / value:8.1f}  {base / value:.2f}")

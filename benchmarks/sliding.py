@@ -18,13 +18,13 @@ import statistics
 import torch
 
 from kvlab.caches import cache_bytes
-from kvlab.timing import interleaved
 from kvlab.loops import generate
 from kvlab.meter import MemoryMeter
 from kvlab.models import build_model, resolve_device
+from kvlab.timing import interleaved
 
 CONTENDERS = ("dynamic", "prealloc")
-MIB = 2 ** 20
+MIB = 2**20
 
 
 def main():
@@ -40,10 +40,13 @@ def main():
     args = parser.parse_args()
     device = resolve_device(args.device)
     model = build_model(args.preset, [f"sliding_window={args.window}"], device, args.dtype)
-    prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt),
-                           generator=torch.Generator().manual_seed(0)).to(device)
-    print(f"{args.preset} with sliding_window={args.window}, {args.dtype} on {device} ({torch.get_num_threads()} "
-          f"threads): batch {args.batch}, prompt {args.prompt}, {args.new} new tokens")
+    prompt = torch.randint(
+        0, model.config.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0)
+    ).to(device)
+    print(
+        f"{args.preset} with sliding_window={args.window}, {args.dtype} on {device} ({torch.get_num_threads()} "
+        f"threads): batch {args.batch}, prompt {args.prompt}, {args.new} new tokens"
+    )
 
     peaks, kv, tokens = {}, {}, {}
     for cache in CONTENDERS:
@@ -52,16 +55,21 @@ def main():
         peaks[cache], kv[cache], tokens[cache] = meter.report().overhead_bytes, cache_bytes(out.cache), out.tokens
     assert torch.equal(tokens["dynamic"], tokens["prealloc"]), "the two caches decoded different tokens"
 
-    seconds = interleaved({c: (lambda c=c: generate(model, prompt, args.new, cache=c).seconds) for c in CONTENDERS},
-                          args.repeats, warmup={c: (lambda c=c: generate(model, prompt, 4, cache=c)) for c in CONTENDERS})
+    seconds = interleaved(
+        {c: (lambda c=c: generate(model, prompt, args.new, cache=c).seconds) for c in CONTENDERS},
+        args.repeats,
+        warmup={c: (lambda c=c: generate(model, prompt, 4, cache=c)) for c in CONTENDERS},
+    )
     speed = {c: statistics.median(args.batch * args.new / s for s in seconds[c]) for c in CONTENDERS}
 
     print(f"{'cache':>9s} {'overhead MiB':>13s} {'KV MiB':>8s} {'overhead/KV':>12s} {'tokens/s':>9s}  (runs)")
     for c in CONTENDERS:
         runs = " ".join(f"{args.batch * args.new / s:.1f}" for s in seconds[c])
         print(f"{c:>9s} {peaks[c] / MIB:13.3f} {kv[c] / MIB:8.3f} {peaks[c] / kv[c]:12.3f} {speed[c]:9.1f}  ({runs})")
-    print(f"prealloc / dynamic: peak {peaks['prealloc'] / peaks['dynamic']:.3f}x, "
-          f"tokens/s {speed['prealloc'] / speed['dynamic']:.2f}x")
+    print(
+        f"prealloc / dynamic: peak {peaks['prealloc'] / peaks['dynamic']:.3f}x, "
+        f"tokens/s {speed['prealloc'] / speed['dynamic']:.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,8 @@ import pandas as pd
 import torch
 
 from kvlab.lab.store import append_run
-from kvlab.timing import CONTENDERS, speed_runs, spread
 from kvlab.models import build_model, resolve_device
+from kvlab.timing import CONTENDERS, speed_runs, spread
 
 
 def main():
@@ -43,26 +43,41 @@ def main():
     started = datetime.datetime.now(datetime.timezone.utc)
     device = resolve_device(args.device)
     model = build_model(args.preset, None, device, args.dtype)
-    prompt = torch.randint(0, model.config.vocab_size, (args.batch, args.prompt),
-                           generator=torch.Generator().manual_seed(0)).to(device)
+    prompt = torch.randint(
+        0, model.config.vocab_size, (args.batch, args.prompt), generator=torch.Generator().manual_seed(0)
+    ).to(device)
     contenders = args.contenders.split(",")
     threads = torch.get_num_threads()
-    print(f"{args.preset} {args.dtype} on {device} ({threads} threads): batch {args.batch}, prompt {args.prompt}; "
-          f"tokens/s of {args.repeats} interleaved runs: median [slowest, fastest]")
+    print(
+        f"{args.preset} {args.dtype} on {device} ({threads} threads): batch {args.batch}, prompt {args.prompt}; "
+        f"tokens/s of {args.repeats} interleaved runs: median [slowest, fastest]"
+    )
     rows = []
     for new in [int(n) for n in args.new.split(",")]:
         runs = pd.DataFrame(speed_runs(model, prompt, [new], contenders, args.repeats))
         rows.append(runs)
-        print(f"{new:6d} new: " + "; ".join(f"{c} {s['median']:.1f} [{s['slowest']:.1f}, {s['fastest']:.1f}]"
-                                            f" = {s['ratio_median']:.2f}x dynamic"
-                                            for (_, c), s in spread(runs).iterrows()), flush=True)
+        print(
+            f"{new:6d} new: "
+            + "; ".join(
+                f"{c} {s['median']:.1f} [{s['slowest']:.1f}, {s['fastest']:.1f}] = {s['ratio_median']:.2f}x dynamic"
+                for (_, c), s in spread(runs).iterrows()
+            ),
+            flush=True,
+        )
     if args.out:
-        table = pd.concat(rows).assign(preset=args.preset, dtype=args.dtype, device=device, batch=args.batch,
-                                       prompt=args.prompt, threads=threads)
+        table = pd.concat(rows).assign(
+            preset=args.preset, dtype=args.dtype, device=device, batch=args.batch, prompt=args.prompt, threads=threads
+        )
         Path(args.out).mkdir(parents=True, exist_ok=True)
         table.to_csv(Path(args.out) / "results.csv", index=False)
-        append_run(args.out, "python benchmarks/speed.py " + " ".join(sys.argv[1:]), started, device,
-                   threads=threads, repeats=args.repeats)
+        append_run(
+            args.out,
+            "python benchmarks/speed.py " + " ".join(sys.argv[1:]),
+            started,
+            device,
+            threads=threads,
+            repeats=args.repeats,
+        )
         print(f"wrote {args.out}/results.csv ({len(table)} runs) and {args.out}/provenance.json")
 
 

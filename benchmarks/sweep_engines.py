@@ -27,8 +27,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from kvlab.lab.grid import expand, validate
 from kvlab.lab.engines import run_sweep
+from kvlab.lab.grid import expand, validate
 from kvlab.lab.ray_engine import init_ray
 
 
@@ -56,12 +56,16 @@ def main():
     import ray
 
     points = grid([int(n) for n in args.new.split(",")])
-    print(f"{len(points)} points (toy preset, fp32, cpu, batch 1, prompt 32, new {args.new}, caches tuple and "
-          f"dynamic); {os.cpu_count()} cores; load average before: {os.getloadavg()[0]:.2f}")
+    print(
+        f"{len(points)} points (toy preset, fp32, cpu, batch 1, prompt 32, new {args.new}, caches tuple and "
+        f"dynamic); {os.cpu_count()} cores; load average before: {os.getloadavg()[0]:.2f}"
+    )
     start = time.perf_counter()
     init_ray(num_cpus=args.workers)  # as a sweep starts one: on 127.0.0.1 only
-    print(f"Ray {ray.__version__} cluster with {args.workers} CPUs started in {time.perf_counter() - start:.1f} s "
-          f"(not counted below)")
+    print(
+        f"Ray {ray.__version__} cluster with {args.workers} CPUs started in {time.perf_counter() - start:.1f} s "
+        f"(not counted below)"
+    )
     seconds = {"local": [], "ray": []}
     with tempfile.TemporaryDirectory(prefix="kvlab-engines-") as scratch:
         for repeat in range(args.repeats):
@@ -74,15 +78,23 @@ def main():
             local, on_ray = tables["local"], tables["ray"].loc[tables["local"].index]
             if not (local["overhead_bytes"] == on_ray["overhead_bytes"]).all():
                 raise SystemExit("the engines measured different bytes for the same points")
-            print(f"  repeat {repeat + 1}: local / ray = {seconds['local'][-1] / seconds['ray'][-1]:.2f} x"
-                  + (" (Ray's first sweep: its workers start and import kvlab, torch, transformers)" if repeat == 0 else ""))
+            print(
+                f"  repeat {repeat + 1}: local / ray = {seconds['local'][-1] / seconds['ray'][-1]:.2f} x"
+                + (
+                    " (Ray's first sweep: its workers start and import kvlab, torch, transformers)"
+                    if repeat == 0
+                    else ""
+                )
+            )
     ray.shutdown()
     local, on_ray = sum(seconds["local"]), sum(seconds["ray"])
     print(f"\n| engine | wall s ({args.repeats} x {len(points)} points) | s per point |\n|---|---|---|")
     print(f"| local (one after the other) | {local:.1f} | {local / args.repeats / len(points):.1f} |")
     print(f"| ray, {args.workers} workers | {on_ray:.1f} | {on_ray / args.repeats / len(points):.1f} |")
-    print(f"\nlocal / ray = {local / on_ray:.2f} x (the same bytes measured for every point by both); "
-          f"load average after: {os.getloadavg()[0]:.2f}")
+    print(
+        f"\nlocal / ray = {local / on_ray:.2f} x (the same bytes measured for every point by both); "
+        f"load average after: {os.getloadavg()[0]:.2f}"
+    )
 
 
 if __name__ == "__main__":

@@ -13,8 +13,13 @@ __version__ = "0.1.0"
 
 # Imported on first use, not here: the real transformers 4.40.1 runs `python -m kvlab.lab.reference` in a
 # subprocess, and the lesson's modules need transformers 5.x.
-_PUBLIC = {"build_model": "models", "make_cache": "caches", "generate": "loops", "MemoryMeter": "meter",
-           "predict": "lab.predict"}
+_PUBLIC = {
+    "build_model": "models",
+    "make_cache": "caches",
+    "generate": "loops",
+    "MemoryMeter": "meter",
+    "predict": "lab.predict",
+}
 __all__ = list(_PUBLIC)
 
 
@@ -22,4 +27,5 @@ def __getattr__(name):
     if name not in _PUBLIC:
         raise AttributeError(f"module 'kvlab' has no attribute {name!r}")
     import importlib
+
     return getattr(importlib.import_module(f"kvlab.{_PUBLIC[name]}"), name)

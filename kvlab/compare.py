@@ -35,31 +35,46 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
 
     import papermill
 
-    from .notebook import plots
     from .lab.kernel import QUIET_KERNEL, kernel_name  # `kvlab` where make registered it, else python3
+    from .notebook import plots
+
     figures = {out / "compare.png": plots.compare_figure(longest)}
     if results["new"].nunique() > 1:
         figures[out / "overhead_vs_new_tokens.png"] = plots.overhead_figure(results, "new")
     for path, figure in figures.items():
         figure.savefig(path, dpi=120, bbox_inches="tight")
     analysis = out / "03_analysis.ipynb"
-    papermill.execute_notebook(str(ANALYSIS_NOTEBOOK), str(analysis), kernel_name=kernel_name(), progress_bar=False,
-                               parameters={"results_csv": str((out / "results.csv").resolve())},
-                               cwd=str(PROJECT_DIR), extra_arguments=QUIET_KERNEL)
+    papermill.execute_notebook(
+        str(ANALYSIS_NOTEBOOK),
+        str(analysis),
+        kernel_name=kernel_name(),
+        progress_bar=False,
+        parameters={"results_csv": str((out / "results.csv").resolve())},
+        cwd=str(PROJECT_DIR),
+        extra_arguments=QUIET_KERNEL,
+    )
 
     first = longest.iloc[0]
-    print(f"\n{first['preset']} on {first['device_name']} ({first['device']}, {first['dtype']}), "
-          f"batch {first['batch']}, prompt {first['prompt']}, {first['new']} new tokens, greedy; "
-          f"final KV cache {first['kv_final_bytes'] / MIB:.1f} MiB")
+    print(
+        f"\n{first['preset']} on {first['device_name']} ({first['device']}, {first['dtype']}), "
+        f"batch {first['batch']}, prompt {first['prompt']}, {first['new']} new tokens, greedy; "
+        f"final KV cache {first['kv_final_bytes'] / MIB:.1f} MiB"
+    )
     if device == "cpu" and sizes.get("batch") is None and sizes.get("new") is None:
-        print(f"(batch {first['batch']} and {first['new']} new tokens, not the H200 points' 8 and 500, to stay within "
-              "a few minutes: overhead/KV is flat in batch (cpu-batch, 1 to 8); fixed costs, such as 4.42's prompt "
-              "logits, weigh more against a shorter cache (cpu-new-tokens); --batch 8 --new 500 runs that shape)")
+        print(
+            f"(batch {first['batch']} and {first['new']} new tokens, not the H200 points' 8 and 500, to stay within "
+            "a few minutes: overhead/KV is flat in batch (cpu-batch, 1 to 8); fixed costs, such as 4.42's prompt "
+            "logits, weigh more against a shorter cache (cpu-new-tokens); --batch 8 --new 500 runs that shape)"
+        )
     print(table.to_string(index=False))
     baseline = longest[(longest["cache"] == "tuple") & (longest["loop"] == "v4.40")]["overhead_bytes"]
     best = longest[(longest["loop"] == "v5") & (longest["cache"] != "tuple")]["overhead_bytes"].min()
     if len(baseline) and best:
         print(f"\ntuple / v4.40 (<= 4.41) over the best v5 design's overhead: {baseline.iloc[0] / best:.2f}x")
-    print(f"\nresults: {out / 'results.csv'}", *(f"figure:  {path}" for path in figures),
-          f"analysis notebook (executed): {analysis}", sep="\n")
+    print(
+        f"\nresults: {out / 'results.csv'}",
+        *(f"figure:  {path}" for path in figures),
+        f"analysis notebook (executed): {analysis}",
+        sep="\n",
+    )
     return table

@@ -6,50 +6,162 @@ their tokens vary. kvlab.models builds configs and models from them.
 from __future__ import annotations
 
 import torch
-from transformers import (BartConfig, Gemma3TextConfig, GptOssConfig, LlamaConfig, MistralConfig, Qwen2Config,
-                          Qwen3Config, T5Config, WhisperConfig)
+from transformers import (
+    BartConfig,
+    Gemma3TextConfig,
+    GptOssConfig,
+    LlamaConfig,
+    MistralConfig,
+    Qwen2Config,
+    Qwen3Config,
+    T5Config,
+    WhisperConfig,
+)
 
 # Values copied from each model's public config.json on the Hugging Face hub.
 DECODERS: dict[str, tuple[type, dict]] = {
     # Small enough that CPU decoding of hundreds of tokens takes seconds.
-    "toy": (LlamaConfig, dict(
-        hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=4, vocab_size=1000, max_position_embeddings=8192)),
-    "tinyllama-1.1b": (LlamaConfig, dict(  # TinyLlama/TinyLlama-1.1B-Chat-v1.0
-        hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-        num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048, rms_norm_eps=1e-5)),
-    "qwen2.5-0.5b": (Qwen2Config, dict(  # Qwen/Qwen2.5-0.5B
-        hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-        num_key_value_heads=2, vocab_size=151936, max_position_embeddings=32768, rms_norm_eps=1e-6,
-        tie_word_embeddings=True, use_sliding_window=False)),
-    "llama2-7b": (LlamaConfig, dict(  # meta-llama/Llama-2-7b-hf
-        hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, rms_norm_eps=1e-5)),
-    "mistral-7b": (MistralConfig, dict(  # mistralai/Mistral-7B-v0.1, sliding window off (as v0.2+)
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rms_norm_eps=1e-5,
-        sliding_window=None)),
-    "llama3-8b": (LlamaConfig, dict(  # meta-llama/Meta-Llama-3-8B
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192, rms_norm_eps=1e-5,
-        rope_theta=500000.0)),
+    "toy": (
+        LlamaConfig,
+        dict(
+            hidden_size=256,
+            intermediate_size=512,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=1000,
+            max_position_embeddings=8192,
+        ),
+    ),
+    "tinyllama-1.1b": (
+        LlamaConfig,
+        dict(  # TinyLlama/TinyLlama-1.1B-Chat-v1.0
+            hidden_size=2048,
+            intermediate_size=5632,
+            num_hidden_layers=22,
+            num_attention_heads=32,
+            num_key_value_heads=4,
+            vocab_size=32000,
+            max_position_embeddings=2048,
+            rms_norm_eps=1e-5,
+        ),
+    ),
+    "qwen2.5-0.5b": (
+        Qwen2Config,
+        dict(  # Qwen/Qwen2.5-0.5B
+            hidden_size=896,
+            intermediate_size=4864,
+            num_hidden_layers=24,
+            num_attention_heads=14,
+            num_key_value_heads=2,
+            vocab_size=151936,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-6,
+            tie_word_embeddings=True,
+            use_sliding_window=False,
+        ),
+    ),
+    "llama2-7b": (
+        LlamaConfig,
+        dict(  # meta-llama/Llama-2-7b-hf
+            hidden_size=4096,
+            intermediate_size=11008,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=32,
+            vocab_size=32000,
+            max_position_embeddings=4096,
+            rms_norm_eps=1e-5,
+        ),
+    ),
+    "mistral-7b": (
+        MistralConfig,
+        dict(  # mistralai/Mistral-7B-v0.1, sliding window off (as v0.2+)
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=32000,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-5,
+            sliding_window=None,
+        ),
+    ),
+    "llama3-8b": (
+        LlamaConfig,
+        dict(  # meta-llama/Meta-Llama-3-8B
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+        ),
+    ),
     # Today's attention layouts. Unlisted values are the config class's defaults in transformers 5.24, which
     # are these checkpoints' own except where a value is given here.
-    "mistral-7b-v0.1": (MistralConfig, dict(  # mistralai/Mistral-7B-v0.1 as released: every layer slides, window 4096
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=32000, max_position_embeddings=32768, rms_norm_eps=1e-5,
-        sliding_window=4096)),
-    "gemma-3-4b": (Gemma3TextConfig, dict(  # google/gemma-3-4b-it's text_config: 5 sliding layers, then 1 full
-        hidden_size=2560, intermediate_size=10240, num_hidden_layers=34, num_attention_heads=8,
-        num_key_value_heads=4, head_dim=256, vocab_size=262208, sliding_window=1024, query_pre_attn_scalar=256)),
-    "gpt-oss-20b": (GptOssConfig, dict(  # openai/gpt-oss-20b: sliding (128) and full layers alternate; 32 experts
-        hidden_size=2880, intermediate_size=2880, num_hidden_layers=24, num_attention_heads=64,
-        num_key_value_heads=8, head_dim=64, vocab_size=201088, sliding_window=128, num_local_experts=32,
-        num_experts_per_tok=4)),
-    "qwen3-8b": (Qwen3Config, dict(  # Qwen/Qwen3-8B: full attention in every layer
-        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
-        num_key_value_heads=8, head_dim=128, vocab_size=151936, max_position_embeddings=40960,
-        rope_theta=1000000.0, tie_word_embeddings=False)),
+    "mistral-7b-v0.1": (
+        MistralConfig,
+        dict(  # mistralai/Mistral-7B-v0.1 as released: every layer slides, window 4096
+            hidden_size=4096,
+            intermediate_size=14336,
+            num_hidden_layers=32,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            vocab_size=32000,
+            max_position_embeddings=32768,
+            rms_norm_eps=1e-5,
+            sliding_window=4096,
+        ),
+    ),
+    "gemma-3-4b": (
+        Gemma3TextConfig,
+        dict(  # google/gemma-3-4b-it's text_config: 5 sliding layers, then 1 full
+            hidden_size=2560,
+            intermediate_size=10240,
+            num_hidden_layers=34,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=256,
+            vocab_size=262208,
+            sliding_window=1024,
+            query_pre_attn_scalar=256,
+        ),
+    ),
+    "gpt-oss-20b": (
+        GptOssConfig,
+        dict(  # openai/gpt-oss-20b: sliding (128) and full layers alternate; 32 experts
+            hidden_size=2880,
+            intermediate_size=2880,
+            num_hidden_layers=24,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            head_dim=64,
+            vocab_size=201088,
+            sliding_window=128,
+            num_local_experts=32,
+            num_experts_per_tok=4,
+        ),
+    ),
+    "qwen3-8b": (
+        Qwen3Config,
+        dict(  # Qwen/Qwen3-8B: full attention in every layer
+            hidden_size=4096,
+            intermediate_size=12288,
+            num_hidden_layers=36,
+            num_attention_heads=32,
+            num_key_value_heads=8,
+            head_dim=128,
+            vocab_size=151936,
+            max_position_embeddings=40960,
+            rope_theta=1000000.0,
+            tie_word_embeddings=False,
+        ),
+    ),
 }
 
 # Twins: a real model's layers, heads and KV heads, every width divided by TWIN_SCALE (head_dim too where the
@@ -71,11 +183,17 @@ def _twin(name: str) -> tuple[type, dict]:
     widths = [key for key in TWIN_WIDTHS if key in values and key not in TWIN_EXCEPTIONS.get(name, {})]
     for key in widths:
         assert values[key] % TWIN_SCALE == 0, f"{name}: {key} is not a multiple of {TWIN_SCALE}"
-    return config_class, {**values, **{key: values[key] // TWIN_SCALE for key in widths}, **TWIN_EXCEPTIONS.get(name, {})}
+    return config_class, {
+        **values,
+        **{key: values[key] // TWIN_SCALE for key in widths},
+        **TWIN_EXCEPTIONS.get(name, {}),
+    }
 
 
-TWINS = {f"{name}-twin": name for name in ("llama2-7b", "mistral-7b", "llama3-8b", "mistral-7b-v0.1", "gemma-3-4b",
-                                           "gpt-oss-20b", "qwen3-8b")}
+TWINS = {
+    f"{name}-twin": name
+    for name in ("llama2-7b", "mistral-7b", "llama3-8b", "mistral-7b-v0.1", "gemma-3-4b", "gpt-oss-20b", "qwen3-8b")
+}
 DECODERS.update({twin: _twin(name) for twin, name in TWINS.items()})
 
 # Random weights at transformers' default std (initializer_range 0.02) decode one token over and over: in our
@@ -96,17 +214,56 @@ DECODERS["gemma-3-4b-twin"][1]["query_pre_attn_scalar"] = 1
 # T5Config() and WhisperConfig() default to google-t5/t5-small and openai/whisper-tiny; BartConfig() to
 # bart-large's widths. Their start and pad tokens are the checkpoints' own.
 ENCODER_DECODERS: dict[str, tuple[type, dict]] = {
-    "t5-small": (T5Config, dict(  # google-t5/t5-small
-        d_model=512, d_kv=64, d_ff=2048, num_layers=6, num_decoder_layers=6, num_heads=8, vocab_size=32128,
-        relative_attention_num_buckets=32, feed_forward_proj="relu", decoder_start_token_id=0, pad_token_id=0)),
-    "whisper-tiny": (WhisperConfig, dict(  # openai/whisper-tiny
-        d_model=384, encoder_layers=4, decoder_layers=4, encoder_attention_heads=6, decoder_attention_heads=6,
-        encoder_ffn_dim=1536, decoder_ffn_dim=1536, vocab_size=51865, num_mel_bins=80, max_source_positions=1500,
-        max_target_positions=448, decoder_start_token_id=50258, pad_token_id=50257)),
-    "bart-base": (BartConfig, dict(  # facebook/bart-base
-        d_model=768, encoder_layers=6, decoder_layers=6, encoder_attention_heads=12, decoder_attention_heads=12,
-        encoder_ffn_dim=3072, decoder_ffn_dim=3072, vocab_size=50265, max_position_embeddings=1024,
-        decoder_start_token_id=2, pad_token_id=1)),
+    "t5-small": (
+        T5Config,
+        dict(  # google-t5/t5-small
+            d_model=512,
+            d_kv=64,
+            d_ff=2048,
+            num_layers=6,
+            num_decoder_layers=6,
+            num_heads=8,
+            vocab_size=32128,
+            relative_attention_num_buckets=32,
+            feed_forward_proj="relu",
+            decoder_start_token_id=0,
+            pad_token_id=0,
+        ),
+    ),
+    "whisper-tiny": (
+        WhisperConfig,
+        dict(  # openai/whisper-tiny
+            d_model=384,
+            encoder_layers=4,
+            decoder_layers=4,
+            encoder_attention_heads=6,
+            decoder_attention_heads=6,
+            encoder_ffn_dim=1536,
+            decoder_ffn_dim=1536,
+            vocab_size=51865,
+            num_mel_bins=80,
+            max_source_positions=1500,
+            max_target_positions=448,
+            decoder_start_token_id=50258,
+            pad_token_id=50257,
+        ),
+    ),
+    "bart-base": (
+        BartConfig,
+        dict(  # facebook/bart-base
+            d_model=768,
+            encoder_layers=6,
+            decoder_layers=6,
+            encoder_attention_heads=12,
+            decoder_attention_heads=12,
+            encoder_ffn_dim=3072,
+            decoder_ffn_dim=3072,
+            vocab_size=50265,
+            max_position_embeddings=1024,
+            decoder_start_token_id=2,
+            pad_token_id=1,
+        ),
+    ),
 }
 # Random weights at the default init decode one token over and over here too (T5 and BART: their LM head is the
 # input embedding, and the greedy argmax stays on the token fed in), and the output ignores the encoder. These init
@@ -128,7 +285,7 @@ def vary_decoder(model) -> None:
             # std 5, and the shared embedding (std 1.5) cut 10-fold so that the residual stream is not the fed token.
             for stack in (model.encoder, model.decoder):
                 bias = stack.block[0].layer[0].SelfAttention.relative_attention_bias.weight
-                bias.mul_(5.0 / (model.config.initializer_factor * model.config.d_model ** -0.5))
+                bias.mul_(5.0 / (model.config.initializer_factor * model.config.d_model**-0.5))
             model.shared.weight.mul_(0.1)
         elif model.config.model_type == "bart":
             # The decoder's learned positions 30x its token embeddings (both std init_std) before its embedding norm.

@@ -5,29 +5,96 @@ from __future__ import annotations
 
 # (cache, loop): the <= 4.41 baseline, each of the PR's two fixes alone (v4.42's loop on tuples, v4.40's
 # loop on one cache object), the PR as released, then today's loop with every design.
-DESIGNS = [("tuple", "v4.40"), ("tuple", "v4.42"), ("dynamic", "v4.40"), ("dynamic", "v4.42"),
-           ("dynamic", "v5"), ("list", "v5"), ("static", "v5"), ("prealloc", "v5")]
+DESIGNS = [
+    ("tuple", "v4.40"),
+    ("tuple", "v4.42"),
+    ("dynamic", "v4.40"),
+    ("dynamic", "v4.42"),
+    ("dynamic", "v5"),
+    ("list", "v5"),
+    ("static", "v5"),
+    ("prealloc", "v5"),
+]
 
 # kind="reference": (cache, loop) → the transformers release whose own generate() that design reproduces,
 # and the cache_implementation it is asked for (None: the release's default cache).
-REFERENCES = {("tuple", "v4.40"): ("4.40.1", None), ("dynamic", "v4.42"): ("4.42.4", None),
-              ("dynamic", "v5"): ("installed", None), ("static", "v5"): ("installed", "static")}
+REFERENCES = {
+    ("tuple", "v4.40"): ("4.40.1", None),
+    ("dynamic", "v4.42"): ("4.42.4", None),
+    ("dynamic", "v5"): ("installed", None),
+    ("static", "v5"): ("installed", "static"),
+}
 KINDS = ("kvlab", "reference")
 # What a restart passes back to the second call: the cache generate() returned, or (4.42's default, with
 # return_legacy_cache=True) that cache's tensors as tuples, which the second call wraps in a new object.
 RESTART_FROM = ("cache", "tuples")
 
-DEFAULTS = dict(kind="kvlab", runtime="eager", preset="toy", overrides="", cache="dynamic", loop="v5", strategy="greedy", batch=8,
-                prompt=64, new=512, restart_new=0, restart_from="cache", num_beams=4, device="auto", dtype="float32", seed=0,
-                chunk_limit=50, block_tokens=32, track_storages="auto", timing=True, force=False)
+DEFAULTS = dict(
+    kind="kvlab",
+    runtime="eager",
+    preset="toy",
+    overrides="",
+    cache="dynamic",
+    loop="v5",
+    strategy="greedy",
+    batch=8,
+    prompt=64,
+    new=512,
+    restart_new=0,
+    restart_from="cache",
+    num_beams=4,
+    device="auto",
+    dtype="float32",
+    seed=0,
+    chunk_limit=50,
+    block_tokens=32,
+    track_storages="auto",
+    timing=True,
+    force=False,
+)
 # A record: the point's parameters (those below), then these fields, in results.csv's column order.
-RECORD_PARAMETERS = ("preset", "overrides", "cache", "loop", "kind", "runtime", "strategy", "batch", "prompt", "new",
-                     "restart_new", "restart_from", "num_beams", "device", "dtype")
-RECORD_FIELDS = ("meter", "baseline_bytes", "peak_bytes", "overhead_bytes", "reserved_peak_bytes",
-                 "storages_peak_bytes", "kv_final_bytes", "overhead_over_kv", "predicted_overhead_bytes",
-                 "prediction_error", "kv_at_peak_bytes", "logits_at_peak_bytes", "other_at_peak_bytes", "seconds",
-                 "tokens_per_s", "graph_build_seconds", "device_name", "torch_version", "transformers_version",
-                 "kvlab_version", "python_version", "git_commit", "measured_at")
+RECORD_PARAMETERS = (
+    "preset",
+    "overrides",
+    "cache",
+    "loop",
+    "kind",
+    "runtime",
+    "strategy",
+    "batch",
+    "prompt",
+    "new",
+    "restart_new",
+    "restart_from",
+    "num_beams",
+    "device",
+    "dtype",
+)
+RECORD_FIELDS = (
+    "meter",
+    "baseline_bytes",
+    "peak_bytes",
+    "overhead_bytes",
+    "reserved_peak_bytes",
+    "storages_peak_bytes",
+    "kv_final_bytes",
+    "overhead_over_kv",
+    "predicted_overhead_bytes",
+    "prediction_error",
+    "kv_at_peak_bytes",
+    "logits_at_peak_bytes",
+    "other_at_peak_bytes",
+    "seconds",
+    "tokens_per_s",
+    "graph_build_seconds",
+    "device_name",
+    "torch_version",
+    "transformers_version",
+    "kvlab_version",
+    "python_version",
+    "git_commit",
+    "measured_at",
+)
 
 
 def is_true(value) -> bool:

@@ -14,8 +14,11 @@ import torch
 CONTENDERS = ("dynamic", "prealloc", "static", "transformers")
 
 
-def interleaved(contenders: dict[Hashable, Callable[[], float]], repeats: int = 3,
-                warmup: dict[Hashable, Callable[[], object]] | None = None) -> dict[Hashable, list[float]]:
+def interleaved(
+    contenders: dict[Hashable, Callable[[], float]],
+    repeats: int = 3,
+    warmup: dict[Hashable, Callable[[], object]] | None = None,
+) -> dict[Hashable, list[float]]:
     """Seconds of every repeat of each contender (each callable runs once and returns its seconds), after one
     warm-up call each (first calls pay for lazy initialisation and graph optimisation)."""
     for run in (warmup or contenders).values():
@@ -35,8 +38,9 @@ def decode_seconds(model, prompt: torch.Tensor, new: int, contender: str) -> flo
     if contender != "transformers":
         return generate(model, prompt, new, cache=contender, loop="v5").seconds
     start = time.perf_counter()
-    model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
-                   do_sample=False)
+    model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new, do_sample=False
+    )
     if prompt.device.type == "cuda":
         torch.cuda.synchronize()
     return time.perf_counter() - start
@@ -49,10 +53,16 @@ def speed_runs(model, prompt: torch.Tensor, lengths, contenders=CONTENDERS, repe
     rows = []
     batch = prompt.shape[0]
     for new in lengths:
-        seconds = interleaved({c: (lambda c=c: decode_seconds(model, prompt, new, c)) for c in contenders}, repeats,
-                              warmup={c: (lambda c=c: decode_seconds(model, prompt, 4, c)) for c in contenders})
-        rows += [dict(new=new, contender=c, repeat=i + 1, seconds=s, tokens_per_s=batch * new / s)
-                 for c, runs in seconds.items() for i, s in enumerate(runs)]
+        seconds = interleaved(
+            {c: (lambda c=c, new=new: decode_seconds(model, prompt, new, c)) for c in contenders},
+            repeats,
+            warmup={c: (lambda c=c: decode_seconds(model, prompt, 4, c)) for c in contenders},
+        )
+        rows += [
+            dict(new=new, contender=c, repeat=i + 1, seconds=s, tokens_per_s=batch * new / s)
+            for c, runs in seconds.items()
+            for i, s in enumerate(runs)
+        ]
     return rows
 
 
@@ -68,8 +78,17 @@ def spread(runs, baseline: str = "dynamic"):
     """Per length and contender (`runs`: speed_runs' rows as a DataFrame): the median, slowest and fastest
     tokens/s, the spread (fastest - slowest) / median, and the ratio to `baseline` round by round (its median,
     smallest and largest), so a lead is read against the noise of the same machine."""
-    table = with_ratios(runs, baseline).groupby(["new", "contender"], sort=False).agg(
-        median=("tokens_per_s", "median"), slowest=("tokens_per_s", "min"), fastest=("tokens_per_s", "max"),
-        ratio_median=("ratio", "median"), ratio_min=("ratio", "min"), ratio_max=("ratio", "max"))
+    table = (
+        with_ratios(runs, baseline)
+        .groupby(["new", "contender"], sort=False)
+        .agg(
+            median=("tokens_per_s", "median"),
+            slowest=("tokens_per_s", "min"),
+            fastest=("tokens_per_s", "max"),
+            ratio_median=("ratio", "median"),
+            ratio_min=("ratio", "min"),
+            ratio_max=("ratio", "max"),
+        )
+    )
     table.insert(3, "spread_pct", 100 * (table["fastest"] - table["slowest"]) / table["median"])
     return table

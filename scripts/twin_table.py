@@ -18,9 +18,14 @@ REFERENCE_CLASS = {"tuple": "", "dynamic": " DynamicCache", "static": " StaticCa
 def h200_labels() -> dict:
     """'2.00 (4.40.1)', '1.016 (5.17 DynamicCache)', ...: the H200 figures as written in the data file."""
     rows = pd.read_csv(DATA / "design" / "h200.csv", dtype=str)
-    return {(row.preset, row.cache, row.loop):
-            f"{row.overhead_over_kv} ({row.release.removesuffix('.0')}{REFERENCE_CLASS[row.cache]})"
-            for row in rows.itertuples()}
+    return {
+        (
+            row.preset,
+            row.cache,
+            row.loop,
+        ): f"{row.overhead_over_kv} ({row.release.removesuffix('.0')}{REFERENCE_CLASS[row.cache]})"
+        for row in rows.itertuples()
+    }
 
 
 def main():
@@ -36,7 +41,8 @@ def main():
         twin, full = values.get(True), values.get(False)
         ratio = f"{twin / full:.4f}" if pd.notna(twin) and pd.notna(full) else "—"
         show = lambda value: f"{value:.4f}" if pd.notna(value) else "—"  # noqa: E731
-        print(f"| {model} | {cache} / {loop} | {show(twin)} | {show(full)} | {ratio} | {h200.get((model, cache, loop), '')} |")
+        measured = h200.get((model, cache, loop), "")
+        print(f"| {model} | {cache} / {loop} | {show(twin)} | {show(full)} | {ratio} | {measured} |")
 
 
 if __name__ == "__main__":

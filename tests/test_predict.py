@@ -5,15 +5,15 @@ import re
 
 import pytest
 
-import kvlab.models
 import kvlab.lab.predict
+import kvlab.models
 from kvlab import theory
 from kvlab.cli import main
-from kvlab.schema import DESIGNS
-from kvlab.lab.point import measure
-from kvlab.lab.params import normalize
 from kvlab.configs import build_config
+from kvlab.lab.params import normalize
+from kvlab.lab.point import measure
 from kvlab.lab.predict import GIB, TooBig, parse_bytes
+from kvlab.schema import DESIGNS
 
 LLAMA_PR_POINT = ["--preset", "llama2-7b", "--dtype", "bfloat16", "--batch", "8", "--prompt", "300", "--new", "500"]
 TINY = dict(preset="toy", overrides="num_hidden_layers=1", batch=1, prompt=4, new=2, device="cpu", timing=False)
@@ -22,8 +22,10 @@ TINY = dict(preset="toy", overrides="num_hidden_layers=1", batch=1, prompt=4, ne
 @pytest.fixture
 def no_model(monkeypatch):
     """Building a model (or predicting with a real one) fails the test: prediction works from the config."""
+
     def refuse(*args, **kwargs):
         raise AssertionError("a model was built")
+
     monkeypatch.setattr(kvlab.models, "build_model", refuse)
 
 
@@ -52,8 +54,9 @@ def test_predict_a_config_json_in_a_folder_or_as_a_file(tmp_path, capsys, no_mod
 
 
 def test_predict_json_for_one_design(capsys, no_model):
-    result = json.loads(predict_output(capsys, *LLAMA_PR_POINT, "--cache", "static", "--loop", "v5", "--json",
-                                       "--memory", "24GiB"))
+    result = json.loads(
+        predict_output(capsys, *LLAMA_PR_POINT, "--cache", "static", "--loop", "v5", "--json", "--memory", "24GiB")
+    )
     [row] = result["designs"]
     assert (row["cache"], row["loop"]) == ("static", "v5") and row["fits"] is True
     assert row["peak_bytes"] == result["weights_bytes"] + row["predicted_overhead_bytes"]
@@ -62,13 +65,15 @@ def test_predict_json_for_one_design(capsys, no_model):
 def test_prediction_matches_the_h200_measurement_of_transformers_4_40():
     """DESIGN §2: transformers 4.40.1 on an H200, Llama-2-7B bf16, batch 8, prompt 300, 500 new: 6.248 GiB."""
     config = build_config("llama2-7b")
-    overhead = theory.predict_overhead(config, cache="tuple", loop="v4.40", batch=8, prompt=300, new=500,
-                                             dtype="bfloat16")
+    overhead = theory.predict_overhead(
+        config, cache="tuple", loop="v4.40", batch=8, prompt=300, new=500, dtype="bfloat16"
+    )
     assert overhead / GIB == pytest.approx(6.248, rel=0.03)
 
 
 def test_a_model_type_theory_does_not_model_is_refused(tmp_path, capsys):
     from transformers import GPT2Config
+
     GPT2Config().to_json_file(tmp_path / "config.json")
     with pytest.raises(SystemExit) as exit_info:
         main(["predict", "--preset", str(tmp_path)])
@@ -76,8 +81,17 @@ def test_a_model_type_theory_does_not_model_is_refused(tmp_path, capsys):
     assert "model_type 'gpt2' is not modelled" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("text, expected", [("24GiB", 24 * GIB), ("24 GB", 24 * 10**9), ("512MiB", 512 * 2**20),
-                                            ("1.5GiB", 3 * GIB // 2), ("1000", 1000), ("64 bytes", 64)])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("24GiB", 24 * GIB),
+        ("24 GB", 24 * 10**9),
+        ("512MiB", 512 * 2**20),
+        ("1.5GiB", 3 * GIB // 2),
+        ("1000", 1000),
+        ("64 bytes", 64),
+    ],
+)
 def test_memory_sizes(text, expected):
     assert parse_bytes(text) == expected
 
@@ -143,8 +157,9 @@ def test_predict_json_reports_the_points_own_values(capsys):
     greedy = json.loads(predict_output(capsys, *LLAMA_PR_POINT, "--json", "--device", "meta"))
     assert (greedy["strategy"], greedy["num_beams"]) == ("greedy", 1)
     assert measure(**dict(TINY, device="meta"))[0]["num_beams"] == 1
-    beam = json.loads(predict_output(capsys, *LLAMA_PR_POINT, "--json", "--device", "meta", "--strategy", "beam",
-                                     "--num-beams", "3"))
+    beam = json.loads(
+        predict_output(capsys, *LLAMA_PR_POINT, "--json", "--device", "meta", "--strategy", "beam", "--num-beams", "3")
+    )
     assert (beam["strategy"], beam["num_beams"]) == ("beam", 3)
 
 
@@ -167,9 +182,11 @@ def test_a_sliding_cache_plateaus_at_the_window_where_the_4x_loops_grow_it_in_fu
 
 def test_overhead_is_the_batch_times_that_of_batch_one():
     """What --max-batch relies on: every byte kvlab.theory counts belongs to one sequence (or beam)."""
-    for preset, point in (("mistral-7b-v0.1-twin", dict(prompt=300, new=200)),
-                          ("gemma-3-4b", dict(prompt=2000, new=50, strategy="beam")),
-                          ("llama2-7b", dict(prompt=300, new=100, cache="tuple", loop="v4.40"))):
+    for preset, point in (
+        ("mistral-7b-v0.1-twin", dict(prompt=300, new=200)),
+        ("gemma-3-4b", dict(prompt=2000, new=50, strategy="beam")),
+        ("llama2-7b", dict(prompt=300, new=100, cache="tuple", loop="v4.40")),
+    ):
         config = build_config(preset)
         one = theory.predict_overhead(config, batch=1, dtype="bfloat16", **point)
         assert theory.predict_overhead(config, batch=7, dtype="bfloat16", **point) == 7 * one
@@ -181,12 +198,18 @@ def test_max_batch_and_max_new_are_the_largest_that_fit(no_model):
     p = normalize(preset="mistral-7b-v0.1", **point)
     rows = {}
     for cache, loop in [("dynamic", "v5"), ("tuple", "v4.40")]:
-        result = kvlab.predict("mistral-7b-v0.1", cache=cache, loop=loop, memory="14.5GiB", max_batch=True,
-                               max_new=True, **point)
+        result = kvlab.predict(
+            "mistral-7b-v0.1", cache=cache, loop=loop, memory="14.5GiB", max_batch=True, max_new=True, **point
+        )
         rows[cache, loop] = result["designs"][0]
     config, weights = build_config("mistral-7b-v0.1"), result["weights_bytes"]
-    fits = lambda cache, loop, **change: weights + theory.predict_overhead(  # noqa: E731
-        config, **kvlab.lab.predict.point_of(p, cache=cache, loop=loop, **change)) <= memory
+    fits = lambda cache, loop, **change: (
+        weights
+        + theory.predict_overhead(  # noqa: E731
+            config, **kvlab.lab.predict.point_of(p, cache=cache, loop=loop, **change)
+        )
+        <= memory
+    )
     for (cache, loop), row in rows.items():
         assert row["max_batch"] == 0 or fits(cache, loop, batch=row["max_batch"])
         assert not fits(cache, loop, batch=row["max_batch"] + 1)

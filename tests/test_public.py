@@ -15,8 +15,18 @@ from kvlab.configs import build_config
 
 ROOT = Path(__file__).resolve().parents[1]
 # What only the extras bring (pyproject.toml: lab, notebooks, jupyter, ray); torch and transformers bring the rest.
-EXTRAS_ONLY = ("papermill", "nbformat", "ipykernel", "pandas", "psutil", "matplotlib", "seaborn", "ipywidgets",
-               "jupyterlab", "ray")
+EXTRAS_ONLY = (
+    "papermill",
+    "nbformat",
+    "ipykernel",
+    "pandas",
+    "psutil",
+    "matplotlib",
+    "seaborn",
+    "ipywidgets",
+    "jupyterlab",
+    "ray",
+)
 # Run before the example: each of those modules then fails to import, and looks absent to transformers' checks
 # (importlib.util.find_spec gives None), as where the extras are not installed.
 WITHOUT_EXTRAS = f"import sys\nsys.modules.update(dict.fromkeys({EXTRAS_ONLY!r}))\n"
@@ -32,9 +42,14 @@ def run_python(code: str, tmp_path: Path) -> str:
     """`code` in a fresh interpreter, from a folder outside the checkout, on the CPU; its output."""
     script = tmp_path / "example.py"
     script.write_text(code)
-    result = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True,
-                            env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
-                                 "PYTHONPATH": str(ROOT)}, timeout=600)
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(ROOT)},
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -46,27 +61,48 @@ def test_readme_example_runs_as_written_without_the_extras(tmp_path):
     assert re.search(r"^prealloc/v5 +[0-9.]+ .* yes ", output, re.M), output  # predict's table, with "fits"
     config = build_config("llama2-7b-twin")
     for cache, loop, mib in re.findall(r"^(\w+)/(v[0-9.]+): ([0-9.]+) MiB at the peak", output, re.M):
-        predicted = theory.predict_overhead(config, batch=1, prompt=300, new=40, dtype="bfloat16", cache=cache,
-                                            loop=loop)
+        predicted = theory.predict_overhead(
+            config, batch=1, prompt=300, new=40, dtype="bfloat16", cache=cache, loop=loop
+        )
         assert float(mib) * 2**20 == pytest.approx(predicted, rel=1e-3), (cache, loop)
     assert "same tokens as transformers' generate(): True" in output
 
 
-@pytest.mark.parametrize("command", [[str(Path(sys.executable).parent / "kvlab")], [sys.executable, "-m", "kvlab"]],
-                         ids=["console-script", "python-m"])
+@pytest.mark.parametrize(
+    "command",
+    [[str(Path(sys.executable).parent / "kvlab")], [sys.executable, "-m", "kvlab"]],
+    ids=["console-script", "python-m"],
+)
 def test_the_installed_command_runs_a_command_once(command, tmp_path):
-    result = subprocess.run([*command, "predict", "--preset", "toy", "--batch", "1", "--prompt", "8", "--new", "2"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [*command, "predict", "--preset", "toy", "--batch", "1", "--prompt", "8", "--new", "2"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.count("toy: llama, 4 layers") == 1, result.stdout
 
 
 def test_the_command_line_needs_no_extra_to_predict_and_names_the_extra_a_sweep_needs(tmp_path):
-    predict = run_python(WITHOUT_EXTRAS + "from kvlab.cli import main\n"
-                         "main(['predict', '--preset', 'toy', '--batch', '1', '--prompt', '8', '--new', '2'])\n", tmp_path)
+    predict = run_python(
+        WITHOUT_EXTRAS + "from kvlab.cli import main\n"
+        "main(['predict', '--preset', 'toy', '--batch', '1', '--prompt', '8', '--new', '2'])\n",
+        tmp_path,
+    )
     assert predict.count("toy: llama, 4 layers") == 1
-    sweep = subprocess.run([sys.executable, "-c", WITHOUT_EXTRAS + "from kvlab.cli import main\n"
-                            "main(['sweep', 'cpu-batch', '--grid', 'preset=toy', '--out', 'out'])\n"],
-                           cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                           env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""})
+    sweep = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            WITHOUT_EXTRAS + "from kvlab.cli import main\n"
+            "main(['sweep', 'cpu-batch', '--grid', 'preset=toy', '--out', 'out'])\n",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},
+    )
     assert sweep.returncode == 1 and "pip install 'kvlab[lab]'" in sweep.stderr, sweep.stderr[-2000:]

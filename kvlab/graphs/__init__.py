@@ -19,13 +19,17 @@ from transformers.utils import logging as hf_logging
 
 from ..caches import TupleCache, num_layers
 from ..compat import cache_argument
-from .conversion import to_cache, to_tuples
 from ..loops import Generation, check_choice, generate
 from ..timing import interleaved
+from .conversion import to_cache, to_tuples
 
 # runtime -> the cache designs it can carry (the first is its default).
-RUNTIMES = {"eager": ("dynamic", "tuple", "list", "static", "prealloc"), "jit-trace": ("tuple",),
-            "convert": ("dynamic",), "export": ("static",)}
+RUNTIMES = {
+    "eager": ("dynamic", "tuple", "list", "static", "prealloc"),
+    "jit-trace": ("tuple",),
+    "convert": ("dynamic",),
+    "export": ("static",),
+}
 # Metered by the profiler: the counter cannot see inside TorchScript (C++ ops); export shares the graphs' meter.
 GRAPH_RUNTIMES = ("jit-trace", "export")
 
@@ -37,11 +41,15 @@ def check_runtime(runtime: str, cache: str | None = None, loop: str = "v5", stra
         return
     designs = RUNTIMES[runtime]
     if cache is not None and cache not in designs:
-        why = {"jit-trace": "torch.jit.trace passes only tensors and tuples across the graph boundary",
-               "convert": "it converts tuples to transformers' DynamicCache and back",
-               "export": "torch.export needs a cache whose buffers exist before the graph runs"}[runtime]
-        raise ValueError(f"runtime {runtime!r} cannot carry the {cache!r} cache ({why}); use cache={designs[0]!r}, "
-                         f"or runtime 'eager' for {cache!r}")
+        why = {
+            "jit-trace": "torch.jit.trace passes only tensors and tuples across the graph boundary",
+            "convert": "it converts tuples to transformers' DynamicCache and back",
+            "export": "torch.export needs a cache whose buffers exist before the graph runs",
+        }[runtime]
+        raise ValueError(
+            f"runtime {runtime!r} cannot carry the {cache!r} cache ({why}); use cache={designs[0]!r}, "
+            f"or runtime 'eager' for {cache!r}"
+        )
     if loop != "v5":
         raise ValueError(f"runtime {runtime!r} runs transformers 5.x's loop only; use loop='v5'")
     if strategy != "greedy":
@@ -60,7 +68,8 @@ class TupleStep(torch.nn.Module):
     def forward(self, input_ids, position_ids, *flat_cache):
         pairs = [(flat_cache[i], flat_cache[i + 1]) for i in range(0, len(flat_cache), 2)]
         outputs, new = TupleCache.from_tuples(pairs, self.layers).round_trip(
-            self.model, input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=1)
+            self.model, input_ids=input_ids, position_ids=position_ids, use_cache=True, logits_to_keep=1
+        )
         return (outputs.logits[:, -1, :],) + tuple(t for pair in new.to_tuples() for t in pair)
 
 
@@ -115,28 +124,34 @@ def _trace(step: TupleStep, input_ids):
         prefill = torch.jit.trace(step, (input_ids, _positions(rows, 0, prompt, device)), check_trace=False)
         out = prefill(input_ids, _positions(rows, 0, prompt, device))
         next_ids = out[0].argmax(-1, keepdim=True)
-        decode = torch.jit.trace(step, (next_ids, _positions(rows, prompt, prompt + 1, device), *out[1:]),
-                                 check_trace=False)
+        decode = torch.jit.trace(
+            step, (next_ids, _positions(rows, prompt, prompt + 1, device), *out[1:]), check_trace=False
+        )
     return prefill, decode
 
 
 def _export(model, input_ids, max_cache_len):
     """transformers' exportable static-cache module, exported with a dynamic length: one program, every step."""
     from transformers.integrations.executorch import TorchExportableModuleWithStaticCache
+
     config = model.generation_config
     before = config.cache_implementation
     config.cache_implementation = "static"  # the wrapper refuses any other
     try:
-        wrapper = TorchExportableModuleWithStaticCache(model, batch_size=input_ids.shape[0],
-                                                       max_cache_len=max_cache_len, device=input_ids.device)
+        wrapper = TorchExportableModuleWithStaticCache(
+            model, batch_size=input_ids.shape[0], max_cache_len=max_cache_len, device=input_ids.device
+        )
     finally:
         config.cache_implementation = before
     length = torch.export.Dim("tokens", min=1, max=max_cache_len)
     with torch.no_grad():
         program = torch.export.export(
-            wrapper, args=(), kwargs=dict(input_ids=input_ids, cache_position=torch.arange(
-                input_ids.shape[1], device=input_ids.device)),
-            dynamic_shapes=dict(input_ids={1: length}, cache_position={0: length}), strict=False)
+            wrapper,
+            args=(),
+            kwargs=dict(input_ids=input_ids, cache_position=torch.arange(input_ids.shape[1], device=input_ids.device)),
+            dynamic_shapes=dict(input_ids={1: length}, cache_position={0: length}),
+            strict=False,
+        )
     return program.module()
 
 
@@ -154,8 +169,9 @@ def _fresh_cache_buffers(module) -> list[torch.Tensor]:
     return fresh
 
 
-def generate_graph(model, input_ids: torch.Tensor, new_tokens: int, runtime: str, graphs: Graphs | None = None,
-                   meter=None) -> Generation:
+def generate_graph(
+    model, input_ids: torch.Tensor, new_tokens: int, runtime: str, graphs: Graphs | None = None, meter=None
+) -> Generation:
     """Greedy decoding of `new_tokens` tokens through `runtime` (not `eager`: kvlab.loops), as 5.x's loop: the next
     token's logits an fp32 copy held until the next forward returns. `graphs`: built here, unmetered, if not given."""
     check_runtime(runtime)
@@ -166,11 +182,14 @@ def generate_graph(model, input_ids: torch.Tensor, new_tokens: int, runtime: str
     if graphs is None:
         graphs = build_graphs(model, input_ids, new_tokens, runtime)
     rows, prompt = input_ids.shape
-    if graphs.build_seconds is not None and (graphs.runtime != runtime or graphs.batch != rows
-                                             or prompt + new_tokens - 1 > graphs.max_cache_len):
+    if graphs.build_seconds is not None and (
+        graphs.runtime != runtime or graphs.batch != rows or prompt + new_tokens - 1 > graphs.max_cache_len
+    ):
         # Past the end of an exported static cache the write would go out of bounds: refuse instead.
-        raise ValueError(f"graphs built for runtime {graphs.runtime}, batch {graphs.batch}, {graphs.max_cache_len} "
-                         f"cached tokens cannot decode {runtime}, batch {rows}, prompt {prompt} + {new_tokens} new")
+        raise ValueError(
+            f"graphs built for runtime {graphs.runtime}, batch {graphs.batch}, {graphs.max_cache_len} "
+            f"cached tokens cannot decode {runtime}, batch {rows}, prompt {prompt} + {new_tokens} new"
+        )
     device, tokens = input_ids.device, input_ids
     kv = _fresh_cache_buffers(graphs.prefill) if runtime == "export" else ()  # jit-trace, convert: tuples
     if meter is not None:
@@ -190,14 +209,20 @@ def generate_graph(model, input_ids: torch.Tensor, new_tokens: int, runtime: str
                 # The maintainers' suggestion: tuples -> cache object -> forward -> tuples. 5.x's
                 # DynamicCache copies the tuples it is given, while the caller still holds them.
                 cache = to_cache(kv) if kv else DynamicCache()
-                outputs = model(input_ids=fed, position_ids=positions, use_cache=True, logits_to_keep=1,
-                                **{cache_argument(model): cache})
+                outputs = model(
+                    input_ids=fed,
+                    position_ids=positions,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **{cache_argument(model): cache},
+                )
                 next_logits = outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32)
                 kv = to_tuples(cache)  # views: no copy
                 del cache, outputs
             else:
-                logits = graphs.prefill(input_ids=fed, cache_position=torch.arange(cached, tokens.shape[1],
-                                                                                    device=device))
+                logits = graphs.prefill(
+                    input_ids=fed, cache_position=torch.arange(cached, tokens.shape[1], device=device)
+                )
                 next_logits = logits[:, -1, :].to(copy=True, dtype=torch.float32)
                 del logits
             del positions
@@ -211,8 +236,13 @@ def generate_graph(model, input_ids: torch.Tensor, new_tokens: int, runtime: str
 
 
 # The comparison of notebook 05: (runtime, cache), the eager references first.
-VARIANTS = (("eager", "dynamic"), ("eager", "prealloc"), ("jit-trace", "tuple"), ("convert", "dynamic"),
-            ("export", "static"))
+VARIANTS = (
+    ("eager", "dynamic"),
+    ("eager", "prealloc"),
+    ("jit-trace", "tuple"),
+    ("convert", "dynamic"),
+    ("export", "static"),
+)
 
 
 def decode_variant(model, input_ids, new_tokens, runtime, cache, graphs=None, meter=None) -> Generation:
@@ -229,6 +259,7 @@ def time_variants(model, input_ids, new_tokens, variants=VARIANTS, repeats: int 
     # Warm-up with a few tokens: TorchScript's profiling executor optimises a graph on its first runs.
     seconds = interleaved(
         {v: (lambda v=v: decode_variant(model, input_ids, new_tokens, *v, graphs[v]).seconds) for v in variants},
-        repeats, warmup={v: (lambda v=v: decode_variant(model, input_ids, min(new_tokens, 3), *v, graphs[v]))
-                         for v in variants})
+        repeats,
+        warmup={v: (lambda v=v: decode_variant(model, input_ids, min(new_tokens, 3), *v, graphs[v])) for v in variants},
+    )
     return seconds if every else {variant: statistics.median_high(times) for variant, times in seconds.items()}

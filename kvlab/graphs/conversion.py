@@ -43,21 +43,33 @@ def conversion_cost(tuples, repeats: int = 5) -> dict:
     stored = [(layer.keys, layer.values) for layer in cache.layers]
     copies = all(a.data_ptr() != b.data_ptr() for pair, kept in zip(tuples, stored) for a, b in zip(pair, kept))
     views = all(a.data_ptr() == b.data_ptr() for pair, kept in zip(back, stored) for a, b in zip(pair, kept))
-    seconds = {name: statistics.median(timeit.repeat(convert, number=1, repeat=repeats))
-               for name, convert in (("to_cache", lambda: to_cache(tuples)), ("to_tuples", lambda: to_tuples(cache)))}
+    seconds = {
+        name: statistics.median(timeit.repeat(convert, number=1, repeat=repeats))
+        for name, convert in (("to_cache", lambda: to_cache(tuples)), ("to_tuples", lambda: to_tuples(cache)))
+    }
     gib = cache_bytes / 2**30
-    return dict(cache_bytes=cache_bytes, to_cache_peak_bytes=into.report().peak_bytes, to_cache_copies=copies,
-                to_cache_seconds=seconds["to_cache"], to_cache_seconds_per_gib=seconds["to_cache"] / gib,
-                to_tuples_peak_bytes=out.report().peak_bytes, to_tuples_views=views,
-                to_tuples_seconds=seconds["to_tuples"], to_tuples_seconds_per_gib=seconds["to_tuples"] / gib)
+    return dict(
+        cache_bytes=cache_bytes,
+        to_cache_peak_bytes=into.report().peak_bytes,
+        to_cache_copies=copies,
+        to_cache_seconds=seconds["to_cache"],
+        to_cache_seconds_per_gib=seconds["to_cache"] / gib,
+        to_tuples_peak_bytes=out.report().peak_bytes,
+        to_tuples_views=views,
+        to_tuples_seconds=seconds["to_tuples"],
+        to_tuples_seconds_per_gib=seconds["to_tuples"] / gib,
+    )
 
 
-def conversion_table(sizes_mib=(16, 64, 256), layers: int = 32, batch: int = 8, kv_heads: int = 32,
-                     head_dim: int = 4, repeats: int = 5):
+def conversion_table(
+    sizes_mib=(16, 64, 256), layers: int = 32, batch: int = 8, kv_heads: int = 32, head_dim: int = 4, repeats: int = 5
+):
     """`conversion_cost` for float32 caches of about `sizes_mib` MiB (the sequence length sets the size), as rows."""
     lengths = [max(1, round(size * 2**20 / (2 * layers * batch * kv_heads * head_dim * 4))) for size in sizes_mib]
-    return [dict(tokens=length, **conversion_cost(random_tuples(layers, batch, kv_heads, length, head_dim), repeats))
-            for length in lengths]
+    return [
+        dict(tokens=length, **conversion_cost(random_tuples(layers, batch, kv_heads, length, head_dim), repeats))
+        for length in lengths
+    ]
 
 
 def tuple_support(model) -> dict:
@@ -71,6 +83,8 @@ def tuple_support(model) -> dict:
             forward = "accepted"
         except Exception as error:  # whatever the release raises is the finding
             forward = f"fails: {type(error).__name__}: {error}"
-    found = {f"DynamicCache.{name}": "exists" if hasattr(DynamicCache, name) else "absent"
-             for name in ("from_legacy_cache", "to_legacy_cache")}
+    found = {
+        f"DynamicCache.{name}": "exists" if hasattr(DynamicCache, name) else "absent"
+        for name in ("from_legacy_cache", "to_legacy_cache")
+    }
     return found | {"a tuple passed to the forward": forward}

@@ -16,24 +16,33 @@ from pathlib import Path
 
 from .grid import point_id, point_label, validate
 from .runner import POINT_NOTEBOOK, kernel_environment, run_one
-from .summary import write_summary
 from .store import STATUSES, append_row, append_run, done_point_ids, load_results, prepare_folder
-
+from .summary import write_summary
 
 ENGINES = ("local", "ray")
 
 
-def local_engine(todo: list[dict], out: Path, notebook: Path, kernel_name: str | None = None,
-                 point_timeout: int | None = None):
+def local_engine(
+    todo: list[dict], out: Path, notebook: Path, kernel_name: str | None = None, point_timeout: int | None = None
+):
     """Each point in turn, in a fresh kernel on this machine."""
     with kernel_environment(todo):
         for params in todo:
             yield run_one(params, out, notebook, kernel_name, point_timeout)
 
 
-def run_sweep(points: list[dict], out, *, notebook: str | os.PathLike | None = None, kernel_name: str | None = None,
-              progress: bool = True, command: str | None = None, engine: str = "local",
-              point_timeout: int | None = None, **engine_options):
+def run_sweep(
+    points: list[dict],
+    out,
+    *,
+    notebook: str | os.PathLike | None = None,
+    kernel_name: str | None = None,
+    progress: bool = True,
+    command: str | None = None,
+    engine: str = "local",
+    point_timeout: int | None = None,
+    **engine_options,
+):
     """Run every point not yet done (all validated first) on `engine` (ray: address, num_cpus, num_gpus); return the
     folder's results table. `point_timeout`: seconds a cell of a point's notebook may run; past it the point is a
     "failed" row. The run is logged in OUT/provenance.json; OUT/summary.md gets `make compare`'s table."""
@@ -53,8 +62,11 @@ def run_sweep(points: list[dict], out, *, notebook: str | os.PathLike | None = N
     done = done_point_ids(results)  # the table checked against the records, rebuilt if damaged
     todo = [p for p in points if point_id(p) not in done]
     if progress and len(todo) < len(points):
-        print(f"{len(points) - len(todo)} of {len(points)} points already in {results}; "
-              + (f"running the other {len(todo)}" if todo else "nothing to run"), file=sys.stderr)
+        print(
+            f"{len(points) - len(todo)} of {len(points)} points already in {results}; "
+            + (f"running the other {len(todo)}" if todo else "nothing to run"),
+            file=sys.stderr,
+        )
     if not todo:  # a finished sweep: no engine is started (a local Ray instance takes seconds)
         return load_results(results)
     counts = dict.fromkeys(STATUSES, 0)
@@ -62,6 +74,7 @@ def run_sweep(points: list[dict], out, *, notebook: str | os.PathLike | None = N
     options = {key: value for key, value in engine_options.items() if value is not None}
     if engine == "ray":
         from .ray_engine import run_on_ray  # Ray is an optional extra: imported only when asked for
+
         rows = run_on_ray(todo, out, notebook, kernel_name, point_timeout, **options)
     elif options:
         raise ValueError(f"the local engine takes no {', '.join(sorted(options))}; those are for --engine ray")
@@ -69,8 +82,10 @@ def run_sweep(points: list[dict], out, *, notebook: str | os.PathLike | None = N
         rows = local_engine(todo, out, notebook, kernel_name, point_timeout)
     try:
         # closing(): an interrupt anywhere in this loop reaches the engine, which stops its running points.
-        with tqdm(total=len(todo), desc=f"sweep {out.name}", unit="point", disable=not progress) as bar, \
-                contextlib.closing(rows):
+        with (
+            tqdm(total=len(todo), desc=f"sweep {out.name}", unit="point", disable=not progress) as bar,
+            contextlib.closing(rows),
+        ):
             for row in rows:  # in the order the points end
                 append_row(results, row)
                 counts[row["status"]] += 1
@@ -80,10 +95,21 @@ def run_sweep(points: list[dict], out, *, notebook: str | os.PathLike | None = N
                     bar.write(f"{row['status']}: {point_label(row)}: {row['error']}")
     finally:  # an interrupted run is logged too, with what it managed
         if any(counts.values()):
-            append_run(out, command, started, points[0]["device"], points_in_sweep=len(points), ran=counts,
-                       engine=engine, point_timeout_s=point_timeout, **options)
+            append_run(
+                out,
+                command,
+                started,
+                points[0]["device"],
+                points_in_sweep=len(points),
+                ran=counts,
+                engine=engine,
+                point_timeout_s=point_timeout,
+                **options,
+            )
     if progress:
-        print(f"{results}: " + ", ".join(f"{n} {status}" for status, n in counts.items()) + " this run", file=sys.stderr)
+        print(
+            f"{results}: " + ", ".join(f"{n} {status}" for status, n in counts.items()) + " this run", file=sys.stderr
+        )
     table = load_results(results)
     write_summary(table, out / "summary.md", f"Sweep {out.name}")
     return table

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
+from ..configs import parse_value
 from ..schema import DEFAULTS, is_true
 from .params import normalize
-from ..configs import parse_value
 from .shipped import read_yaml, shipped_or_path
 
 SWEEPS_DIR = Path(__file__).resolve().parent / "sweeps"
@@ -64,14 +64,17 @@ def load_sweep(path: str | os.PathLike) -> tuple[dict, dict]:
 
 
 def merge_grid_items(fixed: dict, grid: dict, items: list[str]) -> tuple[dict, dict]:
-    """Command-line `--grid key=v1,v2` items on top of a sweep file's (fixed, grid): the command line wins, key by key."""
+    """Command-line `--grid key=v1,v2` items on top of a sweep file's (fixed, grid): the command line wins, key by
+    key."""
     fixed, grid = dict(fixed), dict(grid)
     for key, values in map(parse_grid_item, items):
         fixed.pop(key, None)
         grid.pop(key, None)
         for group, values_of_group in grid.items():  # also out of groups like `design: [{cache: ...}]`
-            grid[group] = [{k: v for k, v in value.items() if k != key} if isinstance(value, dict) else value
-                           for value in values_of_group]
+            grid[group] = [
+                {k: v for k, v in value.items() if k != key} if isinstance(value, dict) else value
+                for value in values_of_group
+            ]
         if len(values) == 1:
             fixed[key] = values[0]
         else:
@@ -85,8 +88,10 @@ def expand(fixed: dict, grid: dict) -> list[dict]:
     if empty := [key for key, values in grid.items() if not values]:
         raise ValueError(f"grid key {empty[0]!r} has no values")
     groups = [[value if isinstance(value, dict) else {key: value} for value in values] for key, values in grid.items()]
-    return [{key: value for group in (fixed, *combination) for key, value in group.items()}
-            for combination in itertools.product(*groups)]
+    return [
+        {key: value for group in (fixed, *combination) for key, value in group.items()}
+        for combination in itertools.product(*groups)
+    ]
 
 
 def validate(points: list[dict], *, devices_here: bool = True) -> list[dict]:
@@ -102,9 +107,14 @@ def validate(points: list[dict], *, devices_here: bool = True) -> list[dict]:
                 checked.append(normalize(**point))
             else:  # checked as a CPU point, with what normalize says on CUDA: no storage tracking, kernels timed
                 tracked = point.get("track_storages", "auto")
-                checked.append(dict(normalize(**{**point, "device": "cpu"}), device=point["device"],
-                                    track_storages=tracked != "auto" and is_true(tracked),
-                                    timing=is_true(point.get("timing", DEFAULTS["timing"]))))
+                checked.append(
+                    dict(
+                        normalize(**{**point, "device": "cpu"}),
+                        device=point["device"],
+                        track_storages=tracked != "auto" and is_true(tracked),
+                        timing=is_true(point.get("timing", DEFAULTS["timing"])),
+                    )
+                )
         except ValueError as error:
             raise ValueError(f"point {json.dumps(point)}: {error}") from None
     return list({point_id(params): params for params in checked}.values())  # a grid may name a point twice
@@ -113,14 +123,29 @@ def validate(points: list[dict], *, devices_here: bool = True) -> list[dict]:
 def point_id(params: dict) -> str:
     """A stable id from the normalized parameters: the same point gets the same id in every rerun."""
     # `force` changes whether a point runs, not what it measures: a forced rerun replaces a "too-big" row.
-    canonical = json.dumps({key: params[key] for key in DEFAULTS if key != "force" and not (
-        key in LATER_PARAMETERS and params[key] == DEFAULTS[key])}, sort_keys=True, default=str)
+    canonical = json.dumps(
+        {
+            key: params[key]
+            for key in DEFAULTS
+            if key != "force" and not (key in LATER_PARAMETERS and params[key] == DEFAULTS[key])
+        },
+        sort_keys=True,
+        default=str,
+    )
     return hashlib.sha1(canonical.encode()).hexdigest()[:12]
 
 
 def point_label(params: dict) -> str:
     """A readable file name for a point's notebook and record."""
     overrides = "".join(ch if ch.isalnum() else "-" for ch in params["overrides"])
-    parts = [params["preset"].replace("/", "-"), overrides, params["cache"], params["loop"], params["strategy"],
-             f"b{params['batch']}", f"p{params['prompt']}", f"n{params['new']}"]
+    parts = [
+        params["preset"].replace("/", "-"),
+        overrides,
+        params["cache"],
+        params["loop"],
+        params["strategy"],
+        f"b{params['batch']}",
+        f"p{params['prompt']}",
+        f"n{params['new']}",
+    ]
     return "_".join(part for part in parts if part) + f"_{point_id(params)}"

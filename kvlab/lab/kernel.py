@@ -4,7 +4,7 @@ from __future__ import annotations
 
 # `make lab` registers the project's environment under this name (never `python3`: the user's default kernel).
 KERNEL = {"name": "kvlab", "display_name": "Python 3 (kvlab)", "language": "python"}
-FALLBACK_KERNEL = "python3"   # jupyter_client's native kernel: the Python running papermill
+FALLBACK_KERNEL = "python3"  # jupyter_client's native kernel: the Python running papermill
 # Every papermill call passes these: the kernel's own log lines (localhost TCP, shutdown) would reach our terminal.
 QUIET_KERNEL = ["--IPKernelApp.log_level=CRITICAL"]
 

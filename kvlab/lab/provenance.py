@@ -17,8 +17,13 @@ from .. import __version__
 @functools.lru_cache(maxsize=1)
 def git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).resolve().parents[2],
-                              capture_output=True, text=True, check=True).stdout.strip()
+        return subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=Path(__file__).resolve().parents[2],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
 
@@ -30,14 +35,22 @@ def device_name(device: str) -> str:
     if kind == "meta":
         return "meta (no data)"
     try:  # Linux names the processor model here; platform.processor() is often empty
-        return next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name"))
+        return next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
     except (OSError, StopIteration):
         return platform.processor() or platform.machine()
 
 
 def provenance(device: str) -> dict:
-    return dict(device_name=device_name(device), torch_version=torch.__version__,
-                transformers_version=transformers.__version__, kvlab_version=__version__,
-                python_version=platform.python_version(), git_commit=git_commit(),
-                measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"))
+    return dict(
+        device_name=device_name(device),
+        torch_version=torch.__version__,
+        transformers_version=transformers.__version__,
+        kvlab_version=__version__,
+        python_version=platform.python_version(),
+        git_commit=git_commit(),
+        measured_at=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    )

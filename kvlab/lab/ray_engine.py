@@ -28,6 +28,7 @@ def init_ray(address: str | None = None, **options) -> None:
     (whoever reaches Ray's ports runs code here); Ray's cluster mode off meanwhile, else it swaps in the network IP."""
     import ray
     from ray._private import ray_constants as constants
+
     address = address or os.environ.get("RAY_ADDRESS")
     if address is None:
         options.update(_node_ip_address="127.0.0.1", include_dashboard=False, dashboard_host="127.0.0.1")
@@ -36,7 +37,9 @@ def init_ray(address: str | None = None, **options) -> None:
     try:
         try:
             ray.init(address, logging_level=logging.ERROR, log_to_driver=False, **options)
-        except Exception as error:  # Ray waits a fixed 30 s for its new node; a loaded machine may need longer: once more
+        except (
+            Exception
+        ) as error:  # Ray waits a fixed 30 s for its new node; a loaded machine may need longer: once more
             if address is not None or "timed out during startup" not in str(error):
                 raise
             ray.shutdown()
@@ -65,8 +68,17 @@ def run_point_task(params: dict, notebook_text: str, kernel_name: str | None = N
         return row, executed.read_text() if executed and executed.exists() else None
 
 
-def run_on_ray(todo: list[dict], out: Path, notebook: Path, kernel_name=None, point_timeout=None, *,
-               address: str | None = None, num_cpus: float | None = None, num_gpus: float | None = None):
+def run_on_ray(
+    todo: list[dict],
+    out: Path,
+    notebook: Path,
+    kernel_name=None,
+    point_timeout=None,
+    *,
+    address: str | None = None,
+    num_cpus: float | None = None,
+    num_gpus: float | None = None,
+):
     """Submit every point as a task and yield each row as its task ends. Uses the Ray instance of this process if
     there is one, else `init_ray(address)`: an instance started here is stopped at the end."""
     try:
@@ -81,13 +93,17 @@ def run_on_ray(todo: list[dict], out: Path, notebook: Path, kernel_name=None, po
             hold_interrupts(caught, saved)
         needed = max(point_resources(p, num_cpus, num_gpus)["num_gpus"] for p in todo)
         if needed > (available := ray.cluster_resources().get("GPU", 0)):
-            raise ValueError(f"CUDA points need {needed:g} GPU per task but the Ray cluster has {available:g} GPUs: "
-                             f"its tasks would wait forever; run on a cluster with GPUs (--address) or pass --num-gpus 0")
+            raise ValueError(
+                f"CUDA points need {needed:g} GPU per task but the Ray cluster has {available:g} GPUs: "
+                f"its tasks would wait forever; run on a cluster with GPUs (--address) or pass --num-gpus 0"
+            )
         task, notebook_text = ray.remote(run_point_task), Path(notebook).read_text()
         for params in todo:
-            ref = task.options(**point_resources(params, num_cpus, num_gpus), max_retries=0,
-                               name=f"kvlab point {params['cache']}/{params['loop']}").remote(params, notebook_text,
-                                                                                             kernel_name, point_timeout)
+            ref = task.options(
+                **point_resources(params, num_cpus, num_gpus),
+                max_retries=0,
+                name=f"kvlab point {params['cache']}/{params['loop']}",
+            ).remote(params, notebook_text, kernel_name, point_timeout)
             pending[ref] = (params, time.perf_counter())
         while pending and not caught:  # a short wait, so that a noted Ctrl-C is seen at once
             for ref in ray.wait(list(pending), num_returns=1, timeout=0.2)[0]:
@@ -98,8 +114,10 @@ def run_on_ray(todo: list[dict], out: Path, notebook: Path, kernel_name=None, po
                         (out / row["notebook"]).write_text(executed)
                 except ray.exceptions.RayError as error:  # the task itself died (worker or node lost): a failure row
                     cause = getattr(error, "cause", None) or error
-                    row = dict(mark_failed(new_row(params), type(cause).__name__, str(cause)),
-                               elapsed_s=round(time.perf_counter() - submitted, 2))
+                    row = dict(
+                        mark_failed(new_row(params), type(cause).__name__, str(cause)),
+                        elapsed_s=round(time.perf_counter() - submitted, 2),
+                    )
                 yield row
     finally:  # an interrupt, an error or a closed generator: stop what still runs, then Ray if started here
         if pending:  # force: each worker killed, not sent a KeyboardInterrupt somewhere inside papermill

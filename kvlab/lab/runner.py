@@ -13,23 +13,26 @@ import os
 import time
 from pathlib import Path
 
+from .grid import point_id, point_label
 from .kernel import QUIET_KERNEL
 from .kernel import kernel_name as notebook_kernel  # `kvlab` where make registered it, else python3
 from .predict import TooBig, check_fits
-from .grid import point_id, point_label
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # The folder holding notebooks/ and data/: the checkout kvlab runs from (an editable install, make), else the copies
 # a wheel carries inside the package (pyproject.toml maps them to kvlab/notebooks and kvlab/data).
-PROJECT_DIR = next(folder for folder in (PACKAGE_DIR.parent, PACKAGE_DIR)
-                   if (folder / "notebooks" / "A1_experiment_point.ipynb").exists())
+PROJECT_DIR = next(
+    folder
+    for folder in (PACKAGE_DIR.parent, PACKAGE_DIR)
+    if (folder / "notebooks" / "A1_experiment_point.ipynb").exists()
+)
 # The notebook every point runs; named here only (scripts ask: python -c "from kvlab.lab.runner import POINT_NOTEBOOK").
 POINT_NOTEBOOK = PROJECT_DIR / "notebooks" / "A1_experiment_point.ipynb"
 OOM_MESSAGES = ("out of memory", "can't allocate memory", "not enough memory")
 
 
 def failure_status(name: str, message: str) -> str:
-    """"oom" for torch.OutOfMemoryError (CUDA) or an allocation the CPU refused, else "failed"."""
+    """ "oom" for torch.OutOfMemoryError (CUDA) or an allocation the CPU refused, else "failed"."""
     if name.endswith("OutOfMemoryError") or any(text in message.lower() for text in OOM_MESSAGES):
         return "oom"
     return "failed"
@@ -38,8 +41,7 @@ def failure_status(name: str, message: str) -> str:
 def new_row(params: dict, notebook: str | None = None) -> dict:
     """The sweep's own columns of a point's row, before it runs."""
     started = datetime.datetime.now(datetime.timezone.utc)
-    return dict(params, point_id=point_id(params), started_at=started.isoformat(timespec="seconds"),
-                notebook=notebook)
+    return dict(params, point_id=point_id(params), started_at=started.isoformat(timespec="seconds"), notebook=notebook)
 
 
 def mark_failed(row: dict, name: str, message: str) -> dict:
@@ -69,8 +71,9 @@ def kernel_environment(points: list[dict]):
                 os.environ[key] = value
 
 
-def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = None,
-            timeout: int | None = None) -> dict:
+def run_one(
+    params: dict, out: Path, notebook: Path, kernel_name: str | None = None, timeout: int | None = None
+) -> dict:
     """Execute the point notebook for one point in a fresh kernel (into OUT/notebooks/); return its row.
     `timeout`: seconds each cell may run (papermill's execution_timeout); past it the point is a "failed" row."""
     import papermill
@@ -85,10 +88,17 @@ def run_one(params: dict, out: Path, notebook: Path, kernel_name: str | None = N
         if not params["force"]:
             check_fits(params)  # refuse before a kernel starts and allocates
         parameters = dict(params, record_path=str(record_path))
-        papermill.execute_notebook(str(notebook), str(executed), parameters=parameters,
-                                   kernel_name=kernel_name or notebook_kernel(), progress_bar=False, log_output=False,
-                                   cwd=str(PROJECT_DIR), extra_arguments=QUIET_KERNEL,
-                                   execution_timeout=timeout)
+        papermill.execute_notebook(
+            str(notebook),
+            str(executed),
+            parameters=parameters,
+            kernel_name=kernel_name or notebook_kernel(),
+            progress_bar=False,
+            log_output=False,
+            cwd=str(PROJECT_DIR),
+            extra_arguments=QUIET_KERNEL,
+            execution_timeout=timeout,
+        )
         row.update(json.loads(record_path.read_text()), status="ok", error=None)
         record_path.unlink()
     except TooBig as error:  # refused: no notebook was run

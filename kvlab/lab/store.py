@@ -1,7 +1,7 @@
 """The results folder: OUT/records/<point_id>.json, each point's row, saved whole as the point ends (a kill or a full
 disk loses at most that point): the one truth; OUT/results.csv, the table remade from them after every row (a
-damaged one set aside); OUT/provenance.json, a log of every run. Every write holds a file lock, so writers sharing a folder (two sweeps, the Ray driver and a local sweep)
-never lose or duplicate each other's rows.
+damaged one set aside); OUT/provenance.json, a log of every run. Every write holds a file lock, so writers sharing
+a folder (two sweeps, the Ray driver and a local sweep) never lose or duplicate each other's rows.
 """
 
 from __future__ import annotations
@@ -75,8 +75,10 @@ def prepare_folder(out: str | os.PathLike, folders=("notebooks", "records")) -> 
         where = f" ({error.filename})" if error.filename else ""
         raise ValueError(f"cannot write results to {out}: {error.strerror or error}{where}") from None
     if free < MIN_FREE_BYTES:
-        raise ValueError(f"cannot write results to {out}: {free // 1024} KiB free on its file system, "
-                         f"a point needs about {MIN_FREE_BYTES // 1024} KiB")
+        raise ValueError(
+            f"cannot write results to {out}: {free // 1024} KiB free on its file system, "
+            f"a point needs about {MIN_FREE_BYTES // 1024} KiB"
+        )
 
 
 def _table_rows(path: Path) -> tuple[list[dict], str | None]:
@@ -137,14 +139,18 @@ def _rows(path: Path) -> list[dict]:
             saved[row["point_id"]] = row
     table, damage = _table_rows(path)
     if damage and not saved:  # nothing to remake it from: leave it as it is for a person to look at
-        raise ValueError(f"{path} is damaged ({damage}) and {records} holds no rows to rebuild it from: "
-                         f"repair the file or move it away")
+        raise ValueError(
+            f"{path} is damaged ({damage}) and {records} holds no rows to rebuild it from: "
+            f"repair the file or move it away"
+        )
     if damage:
         _set_aside(path, damage, f"the table is remade from {records}")
     if orphans := [row["point_id"] for row in table if row["point_id"] not in saved.keys() | lost]:
-        raise ValueError(f"{path} has rows with no record in {records} ({', '.join(orphans[:3])}"
-                         f"{', ...' if len(orphans) > 3 else ''}): the table is remade from the records, so those rows "
-                         f"would be lost; move the table away, or put their records back")
+        raise ValueError(
+            f"{path} has rows with no record in {records} ({', '.join(orphans[:3])}"
+            f"{', ...' if len(orphans) > 3 else ''}): the table is remade from the records, so those rows "
+            f"would be lost; move the table away, or put their records back"
+        )
     return sorted(saved.values(), key=lambda row: (str(row.get("started_at") or ""), row["point_id"]))
 
 
@@ -187,12 +193,15 @@ def load_results(path: str | os.PathLike, check: bool = True):
     """A results CSV (or the folder that holds results.csv) as a pandas DataFrame, one row per point; a damaged
     file is refused, with the command that rebuilds it. `check=False`: any table of rows (a stream's)."""
     import pandas as pd
+
     path = Path(path)
     if path.is_dir():
         path = path / "results.csv"
     if check and (damage := _table_rows(path)[1]):
-        raise ValueError(f"{path} is damaged ({damage}); rebuild it from its records: "
-                         f"python -m kvlab sweep --out {path.parent} --rebuild")
+        raise ValueError(
+            f"{path} is damaged ({damage}); rebuild it from its records: "
+            f"python -m kvlab sweep --out {path.parent} --rebuild"
+        )
     table = pd.read_csv(path, dtype={"error": "string", "overrides": "string", "notebook": "string"})
     return table.assign(overrides=table["overrides"].fillna(""))  # no overrides is "", as in a record
 
@@ -201,11 +210,19 @@ def append_run(out: str | os.PathLike, command: str, started: datetime.datetime,
     """Append one run of any kvlab command (command, machine, versions, commit, timing, `details`) to
     OUT/provenance.json, under the file's lock and replaced at once, so concurrent runs all stay logged."""
     from .provenance import provenance
+
     finished = datetime.datetime.now(datetime.timezone.utc)
-    run = dict(command=command, **details,
-               started_at=started.isoformat(timespec="seconds"), finished_at=finished.isoformat(timespec="seconds"),
-               seconds=round((finished - started).total_seconds(), 1), device=device, **provenance(device),
-               cpu_count=os.cpu_count(), load_average=[round(x, 2) for x in os.getloadavg()])
+    run = dict(
+        command=command,
+        **details,
+        started_at=started.isoformat(timespec="seconds"),
+        finished_at=finished.isoformat(timespec="seconds"),
+        seconds=round((finished - started).total_seconds(), 1),
+        device=device,
+        **provenance(device),
+        cpu_count=os.cpu_count(),
+        load_average=[round(x, 2) for x in os.getloadavg()],
+    )
     run.pop("measured_at")
     path = Path(out) / "provenance.json"
     with locked(path):

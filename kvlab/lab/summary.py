@@ -32,9 +32,13 @@ def comparison_table(df: pd.DataFrame) -> pd.DataFrame:
     if (rows["kind"] == "reference").any():
         release = "transformers " + rows["transformers_version"].astype(str)
         columns["generate()"] = release.where(rows["kind"] == "reference", "kvlab")
-    columns |= {"overhead_MiB": (rows["overhead_bytes"] / MIB).round(2), "overhead/KV": rows["overhead_over_kv"].round(3),
-                "predicted_MiB": (rows["predicted_overhead_bytes"] / MIB).round(2),
-                "error_%": (100 * rows["prediction_error"]).round(2), "tokens/s": rows["tokens_per_s"].round(1)}
+    columns |= {
+        "overhead_MiB": (rows["overhead_bytes"] / MIB).round(2),
+        "overhead/KV": rows["overhead_over_kv"].round(3),
+        "predicted_MiB": (rows["predicted_overhead_bytes"] / MIB).round(2),
+        "error_%": (100 * rows["prediction_error"]).round(2),
+        "tokens/s": rows["tokens_per_s"].round(1),
+    }
     if ((rows["meter"] == "cuda-allocator") & rows["storages_peak_bytes"].notna()).any():
         columns["storages_MiB"] = (rows["storages_peak_bytes"] / MIB).round(2)  # the live-storage meter beside CUDA's
     import pandas as pd
@@ -46,10 +50,14 @@ def markdown(table: pd.DataFrame) -> str:
     import pandas as pd
 
     # DataFrame.to_markdown needs tabulate, which kvlab does not otherwise need (nor has the GPU node): 4 lines.
-    lines = ["| " + " | ".join(table.columns) + " |",
-             "|" + "".join("---:|" if pd.api.types.is_numeric_dtype(table[c]) else "---|" for c in table)]
-    return "\n".join(lines + ["| " + " | ".join("" if pd.isna(v) else str(v) for v in row) + " |"
-                              for row in table.itertuples(index=False)])
+    lines = [
+        "| " + " | ".join(table.columns) + " |",
+        "|" + "".join("---:|" if pd.api.types.is_numeric_dtype(table[c]) else "---|" for c in table),
+    ]
+    return "\n".join(
+        lines
+        + ["| " + " | ".join("" if pd.isna(v) else str(v) for v in row) + " |" for row in table.itertuples(index=False)]
+    )
 
 
 def write_summary(results: pd.DataFrame, path: Path, title: str) -> None:
@@ -57,14 +65,24 @@ def write_summary(results: pd.DataFrame, path: Path, title: str) -> None:
     counts = ", ".join(f"{n} {status}" for status, n in results["status"].value_counts().items())
     lines = [f"# {title}", "", f"{len(results)} points: {counts}.", ""]
     if len(longest := longest_ok(results)):
-        shared = [f"{key} {longest[key].iloc[0]}" for key in VARYING
-                  if longest[key].nunique() == 1 and longest[key].iloc[0] != ""]
-        lines += [f"On {', '.join(longest['device_name'].unique())} ({longest['device'].iloc[0]}): "
-                  f"{', '.join(shared)}, {longest['new'].iloc[0]} new tokens (the sweep's longest). Overhead = peak "
-                  "above the post-load baseline; overhead/KV: over the final cache; predicted: kvlab.theory; "
-                  "tokens/s: a run without the live-storage meter.", "", markdown(comparison_table(results)), ""]
+        shared = [
+            f"{key} {longest[key].iloc[0]}"
+            for key in VARYING
+            if longest[key].nunique() == 1 and longest[key].iloc[0] != ""
+        ]
+        lines += [
+            f"On {', '.join(longest['device_name'].unique())} ({longest['device'].iloc[0]}): "
+            f"{', '.join(shared)}, {longest['new'].iloc[0]} new tokens (the sweep's longest). Overhead = peak "
+            "above the post-load baseline; overhead/KV: over the final cache; predicted: kvlab.theory; "
+            "tokens/s: a run without the live-storage meter.",
+            "",
+            markdown(comparison_table(results)),
+            "",
+        ]
     failed = results[results["status"] != "ok"]
     if len(failed):
-        lines += ["## Not ok", ""] + [f"- {r['status']}: {r['preset']} {r['kind']} {r['cache']}/{r['loop']} "
-                                      f"({r['point_id']}): {r['error']}" for _, r in failed.iterrows()]
+        lines += ["## Not ok", ""] + [
+            f"- {r['status']}: {r['preset']} {r['kind']} {r['cache']}/{r['loop']} ({r['point_id']}): {r['error']}"
+            for _, r in failed.iterrows()
+        ]
     path.write_text("\n".join(lines).rstrip() + "\n")

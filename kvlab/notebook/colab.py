@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import re
 
-
-REPOSITORY = "https://github.com/kvlab/kvlab"   # the public repository: change it here only, then re-stamp
+REPOSITORY = "https://github.com/kvlab/kvlab"  # the public repository: change it here only, then re-stamp
 BRANCH = "main"
 
 BADGE_IMAGE = "https://colab.research.google.com/assets/colab-badge.svg"

@@ -31,9 +31,13 @@ class BytesWritten(TorchDispatchMode):
         if func.overloadpacket.__name__ in NO_WRITE:
             return out
         outputs = out if isinstance(out, (tuple, list)) else (out,)
-        self.bytes += sum(leaf.numel() * leaf.element_size() for ret, value in zip(func._schema.returns, outputs)
-                          if ret.alias_info is None or ret.alias_info.is_write  # else a view: no bytes move
-                          for leaf in tree_leaves(value) if isinstance(leaf, torch.Tensor))
+        self.bytes += sum(
+            leaf.numel() * leaf.element_size()
+            for ret, value in zip(func._schema.returns, outputs)
+            if ret.alias_info is None or ret.alias_info.is_write  # else a view: no bytes move
+            for leaf in tree_leaves(value)
+            if isinstance(leaf, torch.Tensor)
+        )
         return out
 
 
@@ -42,8 +46,10 @@ def summary_table(records: list[dict], extra: tuple[str, ...] = ()) -> pd.DataFr
     points that were timed: `timing=False` leaves `tokens_per_s` empty)."""
     df = pd.DataFrame(records)
     table = df[[key for key in ("cache", "loop", *extra) if key in df]].assign(
-        KV_MiB=(df["kv_final_bytes"] / MIB).round(2), peak_above_weights_MiB=(df["overhead_bytes"] / MIB).round(2),
-        **{"peak/KV": df["overhead_over_kv"].round(3)})
+        KV_MiB=(df["kv_final_bytes"] / MIB).round(2),
+        peak_above_weights_MiB=(df["overhead_bytes"] / MIB).round(2),
+        **{"peak/KV": df["overhead_over_kv"].round(3)},
+    )
     if df["tokens_per_s"].notna().any():
         table["tokens/s (unmetered)"] = pd.to_numeric(df["tokens_per_s"]).round(1)
     return table
@@ -51,8 +57,10 @@ def summary_table(records: list[dict], extra: tuple[str, ...] = ()) -> pd.DataFr
 
 def step_peaks(reports: dict, step: int) -> pd.Series:
     """Peak inside one decoding step (MiB) for each labelled report."""
-    return pd.Series({name: report.timeline[step].peak_bytes / MIB for name, report in reports.items()},
-                     name=f"peak in step {step} (MiB)")
+    return pd.Series(
+        {name: report.timeline[step].peak_bytes / MIB for name, report in reports.items()},
+        name=f"peak in step {step} (MiB)",
+    )
 
 
 def set_theme():
@@ -92,6 +100,8 @@ def two_fixes_terms(config, cache: str, loop: str, batch: int, prompt: int, dtyp
     fp32_logits = batch * prompt * config.vocab_size * 4
     logits = batch * prompt * config.vocab_size * element_size(dtype) + (fp32_logits if element_size(dtype) != 4 else 0)
     per_token = kv_bytes_per_token(config, batch, dtype)
-    return {"step 0: KV + prompt logits": per_token * prompt + (0 if release.major == 5 else logits),
-            "step 1: KV (x2 for tuple) + kept logits": (2 if cache == "tuple" else 1) * per_token * (prompt + 1)
-            + (fp32_logits if release.keeps_previous_outputs else 0)}
+    return {
+        "step 0: KV + prompt logits": per_token * prompt + (0 if release.major == 5 else logits),
+        "step 1: KV (x2 for tuple) + kept logits": (2 if cache == "tuple" else 1) * per_token * (prompt + 1)
+        + (fp32_logits if release.keeps_previous_outputs else 0),
+    }

@@ -9,8 +9,7 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.ticker import MaxNLocator
 
-from .. import theory
-from .. import schema
+from .. import schema, theory
 from ..configs import build_config
 from .helpers import MIB
 
@@ -25,9 +24,15 @@ CATEGORY_COLORS = {"kv": "tab:blue", "logits": "tab:orange", "other": "tab:green
 KV_LINE_STYLES = {1: ":", 2: "--", 3: "-."}
 
 
-def plot_timelines(reports: dict, kv_bytes: int | None = None, title: str = "",
-                   ylabel: str = "memory above the weights (MiB)", kv_label: str = "final KV",
-                   xlabel: str = "decoding step (0 = the prompt's forward)", multiples=(1, 2)):
+def plot_timelines(
+    reports: dict,
+    kv_bytes: int | None = None,
+    title: str = "",
+    ylabel: str = "memory above the weights (MiB)",
+    kv_label: str = "final KV",
+    xlabel: str = "decoding step (0 = the prompt's forward)",
+    multiples=(1, 2),
+):
     """One panel per design: live bytes at each step's end and the peak inside the step (MiB), y from zero;
     `kv_bytes`: black lines at `multiples` of it, over the data, so a line on a reference is seen to be.
     At most 3 panels a row (2 for 4 designs). matplotlib, not seaborn's relplot: the series differ in marker
@@ -38,19 +43,33 @@ def plot_timelines(reports: dict, kv_bytes: int | None = None, title: str = "",
     fig, axes = plt.subplots(nrows, ncols, figsize=(WIDTH, height), sharey=True, squeeze=False)
     for ax, (name, report) in zip(axes.flat, reports.items()):
         steps = pd.DataFrame(report.timeline)
-        ax.plot(steps["step"], steps["peak_bytes"] / MIB, color="tab:red", marker=".", markersize=3,
-                linewidth=1.2, label="peak inside the step")
-        ax.plot(steps["step"], steps["live_bytes"] / MIB, color="tab:blue", linewidth=1.6,
-                label="live at the step's end")
+        ax.plot(
+            steps["step"],
+            steps["peak_bytes"] / MIB,
+            color="tab:red",
+            marker=".",
+            markersize=3,
+            linewidth=1.2,
+            label="peak inside the step",
+        )
+        ax.plot(
+            steps["step"], steps["live_bytes"] / MIB, color="tab:blue", linewidth=1.6, label="live at the step's end"
+        )
         for multiple in multiples if kv_bytes else ():
-            ax.axhline(multiple * kv_bytes / MIB, color="black", linestyle=KV_LINE_STYLES.get(multiple, ":"),
-                       linewidth=1, zorder=4, label=f"{multiple}x {kv_label}")
+            ax.axhline(
+                multiple * kv_bytes / MIB,
+                color="black",
+                linestyle=KV_LINE_STYLES.get(multiple, ":"),
+                linewidth=1,
+                zorder=4,
+                label=f"{multiple}x {kv_label}",
+            )
         ax.set_title(name, fontsize=10)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     axes.flat[0].set_ylim(bottom=0)  # after every panel is drawn: the shared axis then fits the highest
-    for ax in axes.flat[len(reports):]:
+    for ax in axes.flat[len(reports) :]:
         ax.set_visible(False)
-    for ax in axes.flat[len(reports) - ncols:len(reports)]:  # the lowest panel of each column
+    for ax in axes.flat[len(reports) - ncols : len(reports)]:  # the lowest panel of each column
         ax.set_xlabel(xlabel)
     for ax in axes[:, 0]:
         ax.set_ylabel(ylabel)
@@ -64,8 +83,9 @@ def plot_timelines(reports: dict, kv_bytes: int | None = None, title: str = "",
 
 def plot_at_peak(reports: dict, title: str = ""):
     """Stacked horizontal bars (pandas): what was live at each design's peak besides the weights (MiB)."""
-    df = pd.DataFrame({name: {c: report.at_peak.get(c, 0) / MIB for c in CATEGORY_COLORS}
-                       for name, report in reports.items()}).T
+    df = pd.DataFrame(
+        {name: {c: report.at_peak.get(c, 0) / MIB for c in CATEGORY_COLORS} for name, report in reports.items()}
+    ).T
     ax = df.plot.barh(stacked=True, color=CATEGORY_COLORS, width=0.8, figsize=(8, 0.5 * len(df) + 1.4))
     ax.invert_yaxis()
     ax.set(xlabel="bytes live at the peak (MiB), weights excluded", ylabel="cache / loop")
@@ -89,10 +109,13 @@ def refresh_predictions(df: pd.DataFrame) -> pd.DataFrame:
     """`predicted_overhead_bytes` from the installed kvlab.theory, the recorded one kept as
     `recorded_prediction_bytes`: a prediction is a function of the parameters, so it follows the theory as it
     improves without measuring again."""
+
     def predict(row):
         return theory.predict_overhead(_config(row), **{key: row[key] for key in theory.POINT_KEYS if key in row})
-    return df.assign(recorded_prediction_bytes=df["predicted_overhead_bytes"],
-                     predicted_overhead_bytes=df.apply(predict, axis=1))
+
+    return df.assign(
+        recorded_prediction_bytes=df["predicted_overhead_bytes"], predicted_overhead_bytes=df.apply(predict, axis=1)
+    )
 
 
 def _series_parts(df: pd.DataFrame, vary: str) -> list[pd.DataFrame]:
@@ -132,11 +155,15 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new"):
     and today's loop with every design (v5: all near 1x, the y axis zoomed so that they separate). Measured:
     markers on a line; kvlab.theory: a thin black dash over each."""
     rows = series(measured(df), vary)
-    rows = rows.assign(measured_x=rows["overhead_bytes"] / rows["kv_final_bytes"],
-                       theory_x=rows["predicted_overhead_bytes"] / rows["kv_final_bytes"])
+    rows = rows.assign(
+        measured_x=rows["overhead_bytes"] / rows["kv_final_bytes"],
+        theory_x=rows["predicted_overhead_bytes"] / rows["kv_final_bytes"],
+    )
     several = rows["preset"].nunique() > 1
-    panels = [("before and after the PR (loops v4.40, v4.42)", rows[rows["loop"] != "v5"]),
-              ("today's loop (v5), every design (y zoomed)", rows[rows["loop"] == "v5"])]
+    panels = [
+        ("before and after the PR (loops v4.40, v4.42)", rows[rows["loop"] != "v5"]),
+        ("today's loop (v5), every design (y zoomed)", rows[rows["loop"] == "v5"]),
+    ]
     panels = [(name, part) for name, part in panels if not part.empty]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.9 * len(panels), 4.3), squeeze=False)
     designs = [d for d in DESIGN_LABELS if d in set(rows["design"])] + sorted(set(rows["design"]) - set(DESIGN_LABELS))
@@ -144,8 +171,17 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new"):
     for ax, (name, part) in zip(axes[0], panels):
         for (preset, design), line in part.groupby(["preset", "design"], sort=False):
             label = f"{design} ({preset})" if several else design
-            ax.plot(line[vary], line["measured_x"], "-", marker=MARKERS[designs.index(design) % len(MARKERS)],
-                    markersize=7, fillstyle="none", markeredgewidth=1.5, color=colours[design], label=label)
+            ax.plot(
+                line[vary],
+                line["measured_x"],
+                "-",
+                marker=MARKERS[designs.index(design) % len(MARKERS)],
+                markersize=7,
+                fillstyle="none",
+                markeredgewidth=1.5,
+                color=colours[design],
+                label=label,
+            )
             if line["theory_x"].notna().all():
                 ax.plot(line[vary], line["theory_x"], "--", color="black", linewidth=0.8, zorder=4)
         ax.plot([], [], "--", color="black", linewidth=0.8, label="kvlab.theory")
@@ -160,8 +196,11 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new"):
         ax.legend(fontsize=9, loc="best")
     axes[0][0].set_ylabel("peak above the weights ÷ final KV (x)")
     first = rows.iloc[0]
-    fig.suptitle(f"Peak against {AXIS_NAMES[vary]}, in final KV caches: {first['preset']} {first['dtype']} "
-                 f"on {first['device']}, {_held(first, vary)}", fontsize=11)
+    fig.suptitle(
+        f"Peak against {AXIS_NAMES[vary]}, in final KV caches: {first['preset']} {first['dtype']} "
+        f"on {first['device']}, {_held(first, vary)}",
+        fontsize=11,
+    )
     fig.tight_layout()
     return fig
 
@@ -176,9 +215,13 @@ def improvement_table(df: pd.DataFrame, vary: str = "new") -> pd.DataFrame:
     table = (before / after).dropna().rename("measured").reset_index()
     if table.empty:
         raise ValueError("the table needs both tuple/v4.40 and dynamic/v4.42 points")
-    table[["minimal", "maximal"]] = table.apply(lambda row: theory.improvement_factors(
-        _config(row), batch=int(row["batch"]), prompt=int(row["prompt"]), new=int(row["new"]), dtype=row["dtype"]),
-        axis=1, result_type="expand")
+    table[["minimal", "maximal"]] = table.apply(
+        lambda row: theory.improvement_factors(
+            _config(row), batch=int(row["batch"]), prompt=int(row["prompt"]), new=int(row["new"]), dtype=row["dtype"]
+        ),
+        axis=1,
+        result_type="expand",
+    )
     return table.round({"measured": 3, "minimal": 3, "maximal": 3})
 
 
@@ -209,23 +252,41 @@ def improvement_figure(df: pd.DataFrame, sizes=SIZES, title: str = ""):
             colour = sns.color_palette("tab10")[i]
             for bound in ("minimal", "maximal"):
                 ax.plot(part[vary], part[bound], "--", color="black", linewidth=0.8)
-            ax.plot(part[vary], part["measured"], "o-", color=colour, zorder=4,
-                    label=f"measured ({preset})" if several else "measured")
+            ax.plot(
+                part[vary],
+                part["measured"],
+                "o-",
+                color=colour,
+                zorder=4,
+                label=f"measured ({preset})" if several else "measured",
+            )
             for value in _pr_factors(preset).values():
-                ax.plot(1.0, value, "<", color="grey", markersize=9, clip_on=False, zorder=5,
-                        transform=ax.get_yaxis_transform())
+                ax.plot(
+                    1.0,
+                    value,
+                    "<",
+                    color="grey",
+                    markersize=9,
+                    clip_on=False,
+                    zorder=5,
+                    transform=ax.get_yaxis_transform(),
+                )
         ax.set(ylim=(1, 2.1), xlim=(0, None), xlabel=AXIS_NAMES[vary])
         ax.set_title(_held(table.iloc[0], vary), fontsize=10)
     axes[0][0].set_ylabel("peak of tuple / v4.40 ÷ peak of dynamic / v4.42 (x)")
     first = next(iter(tables.values())).iloc[0]
     handles, labels = axes[0][0].get_legend_handles_labels()
     stated = ", ".join(f"{name} {value:g}" for name, value in _pr_factors(first["preset"]).items())
-    handles += [plt.Line2D([], [], linestyle="--", color="black", linewidth=0.8),
-                plt.Line2D([], [], marker="<", color="grey", linestyle="", markersize=9)]
+    handles += [
+        plt.Line2D([], [], linestyle="--", color="black", linewidth=0.8),
+        plt.Line2D([], [], marker="<", color="grey", linestyle="", markersize=9),
+    ]
     labels += ["kvlab.theory: minimal and maximal factors", f"PR #30536's own factors ({stated})"]
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
-    fig.suptitle(title or f"How much the PR saved, measured: {first['preset']} {first['dtype']} on {first['device']}",
-                 fontsize=11)
+    fig.suptitle(
+        title or f"How much the PR saved, measured: {first['preset']} {first['dtype']} on {first['device']}",
+        fontsize=11,
+    )
     fig.tight_layout(rect=(0, 0.08, 1, 1))
     return fig
 
@@ -239,20 +300,35 @@ def compare_figure(df: pd.DataFrame):
     ax.scatter(df["predicted"], range(len(df)), color="black", marker="|", s=300, zorder=3, label="kvlab.theory")
     for multiple in (1, 2):
         ax.axvline(multiple * kv, color="grey", linestyle="--", linewidth=1)
-        ax.text(multiple * kv, 0.01, f" {multiple}x KV", ha="left", va="bottom", color="grey", fontsize=8,
-                transform=ax.get_xaxis_transform())
+        ax.text(
+            multiple * kv,
+            0.01,
+            f" {multiple}x KV",
+            ha="left",
+            va="bottom",
+            color="grey",
+            fontsize=8,
+            transform=ax.get_xaxis_transform(),
+        )
     first = df.iloc[0]
-    ax.set(xlabel="peak memory above the weights (MiB)", ylabel="cache / loop",
-           title=f"{first['preset']} {first['dtype']} on {first['device']}: batch {first['batch']}, "
-                 f"prompt {first['prompt']}, {first['new']} new tokens")
+    ax.set(
+        xlabel="peak memory above the weights (MiB)",
+        ylabel="cache / loop",
+        title=f"{first['preset']} {first['dtype']} on {first['device']}: batch {first['batch']}, "
+        f"prompt {first['prompt']}, {first['new']} new tokens",
+    )
     ax.legend(loc="lower right")
     fig.tight_layout()
     return fig
 
 
 # Notebook 06's stream modes (kvlab.encdec.stream.MODES): one colour, marker and dash each, in every figure.
-MODE_STYLES = {"hf-static": ("tab:red", "o", None), "reused": ("tab:blue", "s", (5, 3)),
-               "reused-max": ("tab:purple", "^", (1, 2)), "dynamic": ("tab:green", "D", (3, 1, 1, 1))}
+MODE_STYLES = {
+    "hf-static": ("tab:red", "o", None),
+    "reused": ("tab:blue", "s", (5, 3)),
+    "reused-max": ("tab:purple", "^", (1, 2)),
+    "dynamic": ("tab:green", "D", (3, 1, 1, 1)),
+}
 
 
 def mode_lines(ax, df: pd.DataFrame, x: str, y: str):
@@ -263,8 +339,18 @@ def mode_lines(ax, df: pd.DataFrame, x: str, y: str):
         line = df[df["mode"] == mode].sort_values(x)
         color, marker, dashes = MODE_STYLES[mode]
         style = {"dashes": dashes} if dashes else {"linestyle": "-"}
-        ax.plot(line[x], line[y], color=color, marker=marker, markersize=11 - 2 * i, fillstyle="none",
-                markeredgewidth=1.5, linewidth=1.5, label=mode, **style)
+        ax.plot(
+            line[x],
+            line[y],
+            color=color,
+            marker=marker,
+            markersize=11 - 2 * i,
+            fillstyle="none",
+            markeredgewidth=1.5,
+            linewidth=1.5,
+            label=mode,
+            **style,
+        )
     ax.set_xlabel(x)
     ax.legend(title="mode", loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
     return ax
@@ -276,32 +362,46 @@ def waste_figure(table: pd.DataFrame):
     the cache update's op output, one step's activations and the activations above them; a tick at each fix's
     peak. Ratios from zero; the dashed line is 1 x final cache."""
     points = list(dict.fromkeys(table["point"]))
-    parts = [("cache tensors", "0.55"), ("storage the cache's tensors do not show", "tab:orange"),
-             ("the cache update's op output", "tab:blue"), ("one step's activations", "0.8"),
-             ("activations above one step's", "tab:green")]
+    parts = [
+        ("cache tensors", "0.55"),
+        ("storage the cache's tensors do not show", "tab:orange"),
+        ("the cache update's op output", "tab:blue"),
+        ("one step's activations", "0.8"),
+        ("activations above one step's", "tab:green"),
+    ]
     fixes = list(dict.fromkeys(table.loc[table["kind"] == "fix", "term"]))
     fix_colours = dict(zip(fixes, ["black", "tab:purple", "tab:brown", "tab:pink"]))
     fig, ax = plt.subplots(figsize=(9.5, 1.0 + 0.9 * len(points)))
     for y, name in enumerate(points):
         rows = table[table["point"] == name].set_index("term")["bytes"]
         final = rows["final cache"]
-        sizes = {"cache tensors": final + rows.get("cache tensors beyond the final cache", 0),
-                 "storage the cache's tensors do not show": rows.get("storage the cache's tensors do not show", 0),
-                 "the cache update's op output": sum(v for k, v in rows.items() if k.startswith("the cache update's")),
-                 "one step's activations": rows["one step's activations"],
-                 "activations above one step's": rows.get("activations above one step's", 0)}
+        sizes = {
+            "cache tensors": final + rows.get("cache tensors beyond the final cache", 0),
+            "storage the cache's tensors do not show": rows.get("storage the cache's tensors do not show", 0),
+            "the cache update's op output": sum(v for k, v in rows.items() if k.startswith("the cache update's")),
+            "one step's activations": rows["one step's activations"],
+            "activations above one step's": rows.get("activations above one step's", 0),
+        }
         left = 0.0
         for part, colour in parts:
             width = sizes[part] / final
             if width > 0:
-                ax.barh(y, width, left=left, color=colour,
-                        label=None if part in ax.get_legend_handles_labels()[1] else part)
+                ax.barh(
+                    y, width, left=left, color=colour, label=None if part in ax.get_legend_handles_labels()[1] else part
+                )
                 left += width
         weights = rows["weights"]
-        for fix, nbytes in table[(table["point"] == name) & (table["kind"] == "fix")].set_index("term")["bytes"].items():
+        for fix, nbytes in (
+            table[(table["point"] == name) & (table["kind"] == "fix")].set_index("term")["bytes"].items()
+        ):
             label = f"peak with the fix: {fix}"
-            ax.plot([(nbytes - weights) / final] * 2, [y - 0.45, y + 0.45], linewidth=2.5, color=fix_colours[fix],
-                    label=None if label in ax.get_legend_handles_labels()[1] else label)
+            ax.plot(
+                [(nbytes - weights) / final] * 2,
+                [y - 0.45, y + 0.45],
+                linewidth=2.5,
+                color=fix_colours[fix],
+                label=None if label in ax.get_legend_handles_labels()[1] else label,
+            )
         ax.text(left, y, f"  {left:.3f}", va="center", fontsize=9)
     ax.axvline(1, color="black", linestyle="--", linewidth=0.8)
     ax.set_yticks(range(len(points)), [_point_label(table[table["point"] == p].iloc[0]) for p in points], fontsize=9)
@@ -329,10 +429,14 @@ def cache_growth_figure(growth: pd.DataFrame):
     for name, rows in growth.groupby(names, sort=False):
         ax.plot(rows["tokens"], rows["cache_storage_bytes"] / MIB, color=colours[name], label=name)
         if (rows["full_cache_bytes"] != rows["cache_storage_bytes"]).any():
-            ax.plot(rows["tokens"], rows["full_cache_bytes"] / MIB, ":", color=colours[name],
-                    label=f"{name}, every layer full")
-    ax.set(xlim=(0, None), ylim=(0, None), xlabel="tokens seen (prompt + generated)",
-           ylabel="cache storage (MiB)")
+            ax.plot(
+                rows["tokens"],
+                rows["full_cache_bytes"] / MIB,
+                ":",
+                color=colours[name],
+                label=f"{name}, every layer full",
+            )
+    ax.set(xlim=(0, None), ylim=(0, None), xlabel="tokens seen (prompt + generated)", ylabel="cache storage (MiB)")
     ax.set_title("transformers 5.24's DynamicCache against tokens: twins, bf16, CPU, batch 1", fontsize=10)
     ax.legend(fontsize=9)
     fig.tight_layout()
@@ -350,10 +454,12 @@ def speed_figure(runs: pd.DataFrame, title: str):
     order = list(dict.fromkeys(runs["contender"]))
     fig, (speed, ratio) = plt.subplots(1, 2, figsize=(WIDTH, 0.55 * len(order) + 1.9), sharey=True)
     for ax, column, median in ((speed, "tokens_per_s", "median"), (ratio, "ratio", "ratio_median")):
-        sns.stripplot(runs, y="contender", x=column, order=order, color="black", size=6, jitter=0.12, ax=ax,
-                      legend=False)
-        ax.scatter(table.loc[order, median], range(len(order)), marker="|", s=900, linewidths=2.5, color="tab:red",
-                   zorder=4)
+        sns.stripplot(
+            runs, y="contender", x=column, order=order, color="black", size=6, jitter=0.12, ax=ax, legend=False
+        )
+        ax.scatter(
+            table.loc[order, median], range(len(order)), marker="|", s=900, linewidths=2.5, color="tab:red", zorder=4
+        )
         ax.set(ylabel="")
     ratio.axvline(1, color="black", linewidth=1, zorder=1)
     low, high = runs["ratio"].min(), runs["ratio"].max()
@@ -361,9 +467,15 @@ def speed_figure(runs: pd.DataFrame, title: str):
     speed.set_xlim(0, runs["tokens_per_s"].max() * 1.1)
     speed.set_xlabel("generated tokens per second (every run)")
     ratio.set_xlabel("÷ dynamic's run of the same round (x)")
-    speed.legend([plt.Line2D([], [], marker="o", color="black", linestyle=""),
-                  plt.Line2D([], [], marker="|", color="tab:red", linestyle="", markersize=14, markeredgewidth=2.5)],
-                 ["one run", "median"], fontsize=9, loc="lower left")
+    speed.legend(
+        [
+            plt.Line2D([], [], marker="o", color="black", linestyle=""),
+            plt.Line2D([], [], marker="|", color="tab:red", linestyle="", markersize=14, markeredgewidth=2.5),
+        ],
+        ["one run", "median"],
+        fontsize=9,
+        loc="lower left",
+    )
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig

@@ -19,14 +19,15 @@ from .colab import SETUP_CELL, SETUP_TAG, badge
 ROOT = Path(__file__).resolve().parents[2]
 BADGE_LINE = re.compile(r"^.*colab-badge.*$\n?", re.MULTILINE)
 # What an output must not show: the machine it ran on (home, checkout, environment, temporary files).
-MACHINE_PATHS = re.compile("|".join(re.escape(p) for p in sorted({str(ROOT), sys.prefix}, key=len, reverse=True))
-                           + r"|/home/\w|/root/|/tmp/|/content/|site-packages|[A-Z]:\\\\Users")
+MACHINE_PATHS = re.compile(
+    "|".join(re.escape(p) for p in sorted({str(ROOT), sys.prefix}, key=len, reverse=True))
+    + r"|/home/\w|/root/|/tmp/|/content/|site-packages|[A-Z]:\\\\Users"
+)
 WARNING = re.compile(r"\w*Warning\b|^warning:", re.IGNORECASE | re.MULTILINE)
 
 
 def is_setup_cell(cell) -> bool:
-    return cell.cell_type == "code" and (SETUP_TAG in cell.metadata.get("tags", [])
-                                         or "google.colab" in cell.source)
+    return cell.cell_type == "code" and (SETUP_TAG in cell.metadata.get("tags", []) or "google.colab" in cell.source)
 
 
 def stamp(nb, name: str):
@@ -81,8 +82,11 @@ def declared_parameters(nb) -> set[str]:
     names = set()
     for i in parameters_cells(nb):
         for node in ast.walk(ast.parse(nb.cells[i].source)):
-            targets = node.targets if isinstance(node, ast.Assign) else (
-                [node.target] if isinstance(node, ast.AnnAssign) else [])
+            targets = (
+                node.targets
+                if isinstance(node, ast.Assign)
+                else ([node.target] if isinstance(node, ast.AnnAssign) else [])
+            )
             names.update(t.id for t in targets if isinstance(t, ast.Name))
     return names
 
@@ -90,14 +94,20 @@ def declared_parameters(nb) -> set[str]:
 def problems(nb, name: str) -> list[str]:
     """Everything that keeps a committed notebook from being presentable, one line each."""
     kernel, parameters = nb.metadata.get("kernelspec"), parameters_cells(nb)
-    checks = [(kernel != KERNEL, f"kernelspec {kernel} is not {KERNEL}"),
-              ("papermill" in nb.metadata, "papermill metadata in the notebook"),
-              (len(parameters) != 1, f"cells tagged 'parameters': {parameters}; exactly one is needed"),
-              ("tiny" not in declared_parameters(nb), "no `tiny` parameter (the test suite runs with tiny=True)"),
-              (not nb.cells or badge(name) not in nb.cells[0].source,
-               "the first cell lacks the badge from kvlab.notebook.colab (run `stamp`)"),
-              ([cell.source for cell in nb.cells if is_setup_cell(cell)] != [SETUP_CELL],
-               "the setup cell differs from kvlab.notebook.colab.SETUP_CELL (run `stamp`)")]
+    checks = [
+        (kernel != KERNEL, f"kernelspec {kernel} is not {KERNEL}"),
+        ("papermill" in nb.metadata, "papermill metadata in the notebook"),
+        (len(parameters) != 1, f"cells tagged 'parameters': {parameters}; exactly one is needed"),
+        ("tiny" not in declared_parameters(nb), "no `tiny` parameter (the test suite runs with tiny=True)"),
+        (
+            not nb.cells or badge(name) not in nb.cells[0].source,
+            "the first cell lacks the badge from kvlab.notebook.colab (run `stamp`)",
+        ),
+        (
+            [cell.source for cell in nb.cells if is_setup_cell(cell)] != [SETUP_CELL],
+            "the setup cell differs from kvlab.notebook.colab.SETUP_CELL (run `stamp`)",
+        ),
+    ]
     found = [message for failed, message in checks if failed]
     for i, cell in enumerate(nb.cells):
         if "papermill" in cell.metadata or "execution" in cell.metadata:
@@ -122,11 +132,19 @@ def problems(nb, name: str) -> list[str]:
 def execute(path: Path, output: Path | None = None, parameters: dict | None = None, kernel: str | None = None):
     """Stamp, execute with papermill from the notebook's folder, clean; write to `output` (default: in place)."""
     import papermill
+
     path, output = Path(path), Path(output or path)
     nbformat.write(stamp(nbformat.read(path, as_version=4), path.name), output)
-    nb = papermill.execute_notebook(str(output), str(output), parameters=parameters or {},
-                                    kernel_name=kernel or kernel_name(), cwd=str(path.resolve().parent),
-                                    progress_bar=False, log_output=False, extra_arguments=QUIET_KERNEL)
+    nb = papermill.execute_notebook(
+        str(output),
+        str(output),
+        parameters=parameters or {},
+        kernel_name=kernel or kernel_name(),
+        cwd=str(path.resolve().parent),
+        progress_bar=False,
+        log_output=False,
+        extra_arguments=QUIET_KERNEL,
+    )
     nbformat.write(clean(nb), output)
     return nb
 
@@ -143,18 +161,26 @@ def main(argv=None) -> int:
     parser.add_argument("command", choices=("stamp", "run", "check"))
     parser.add_argument("notebooks", nargs="+", type=Path)
     parser.add_argument("-o", "--output", type=Path, help="run: write the executed copy here (one notebook)")
-    parser.add_argument("-p", "--parameter", nargs=2, action="append", default=[], metavar=("NAME", "VALUE"),
-                        help="run: override a parameter (a Python literal or a string)")
-    parser.add_argument("-k", "--kernel", help=f"run: kernel name (default: {KERNEL['name']} if registered, "
-                                               "else the native python3)")
+    parser.add_argument(
+        "-p",
+        "--parameter",
+        nargs=2,
+        action="append",
+        default=[],
+        metavar=("NAME", "VALUE"),
+        help="run: override a parameter (a Python literal or a string)",
+    )
+    parser.add_argument(
+        "-k", "--kernel", help=f"run: kernel name (default: {KERNEL['name']} if registered, else the native python3)"
+    )
     args = parser.parse_args(argv)
     missing = [str(p) for p in args.notebooks if not p.is_file()]
-    for wrong, message in ((missing, f"no such notebook: {', '.join(missing)}"),
-                           (args.output and len(args.notebooks) != 1, "--output takes one notebook"),
-                           ((args.parameter or args.output) and args.command != "run",
-                            "--output and --parameter belong to `run`"),
-                           (args.parameter and not args.output,
-                            "overridden parameters would be committed: give --output for a trial run")):
+    for wrong, message in (
+        (missing, f"no such notebook: {', '.join(missing)}"),
+        (args.output and len(args.notebooks) != 1, "--output takes one notebook"),
+        ((args.parameter or args.output) and args.command != "run", "--output and --parameter belong to `run`"),
+        (args.parameter and not args.output, "overridden parameters would be committed: give --output for a trial run"),
+    ):
         if wrong:
             parser.error(message)
     failed = 0
@@ -167,8 +193,10 @@ def main(argv=None) -> int:
             else:
                 nb = nbformat.read(path, as_version=4)
         except Exception as error:  # stamp: no '# ' title; run: papermill's error names the failing cell
-            print(f"{path}: {type(error).__name__}: {(str(error).strip().splitlines() or ['(no message)'])[-1]}",
-                  file=sys.stderr)
+            print(
+                f"{path}: {type(error).__name__}: {(str(error).strip().splitlines() or ['(no message)'])[-1]}",
+                file=sys.stderr,
+            )
             failed += 1
             continue
         if args.command == "stamp":
