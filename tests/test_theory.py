@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kvlab import theory
-from kvlab.caches import CACHES, KVCache, TupleCache, cache_tensors, make_cache
+from kvlab.caches import CACHES, KVCache, TupleCache, cache_tensors, make_cache, sliding_windows
 from kvlab.compat import cache_argument
 from kvlab.schema import DESIGNS
 from kvlab.lab.point import measure, run_point
@@ -158,7 +158,7 @@ def test_improvement_factors_bracket_the_measured_ratio(cache_dominated, toy):
 def test_the_terms_theory_names_are_what_the_meter_labels_at_the_peak(toy):
     point = dict(cache="tuple", loop="v4.40", batch=4, prompt=32, new=64)
     record, report = measure(toy, timing=False, **point)
-    explained = theory.explain(toy.config, **point)
+    explained = theory.breakdown(toy.config, **point)
     terms = explained["terms_bytes"]
     assert explained["peak_at"] == "step 63 (mlp)"  # the last step, both tuples complete
     # The meter labels storages as the decode loop names them: both tuples are cache at the peak.
@@ -228,7 +228,7 @@ def test_theory_walks_each_layer_as_the_stored_cache_growth():
     for (preset, overrides), rows in table.groupby(["preset", "overrides"]):
         config = build_config(preset, overrides.split())
         token = kv_bytes_per_token(config, 1, "bfloat16") // config.num_hidden_layers  # one layer's, keys and values
-        layers, prompt = theory.Layers(theory.windows(config)), rows["tokens"].min()
+        layers, prompt = theory.Layers(sliding_windows(config)), rows["tokens"].min()
         stored = dict(zip(rows["forward"], rows["cache_storage_bytes"]))
         for forward in range(max(stored) + 1):
             layers.update(prompt if forward == 0 else 1)
