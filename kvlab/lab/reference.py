@@ -165,8 +165,8 @@ def _measure_point(spec: dict) -> dict:
         raise RuntimeError(f"generate() returned shape {tuple(out.shape)}, not (batch, prompt + new)")
     report, tokens = meter.report(), out[:, spec["prompt"]:].tolist()
     return dict({k: v for k, v in spec.items() if k not in ("model_type", "config", "attention")},
-                baseline_bytes=report.baseline_bytes, peak_bytes=report.peak_bytes, overhead_bytes=report.overhead_bytes, meter=report.method,
-                weights_sha256=weights_digest(model),
+                baseline_bytes=report.baseline_bytes, peak_bytes=report.peak_bytes,
+                overhead_bytes=report.overhead_bytes, meter=report.method, weights_sha256=weights_digest(model),
                 tokens_sha256=hashlib.sha256(json.dumps(tokens).encode()).hexdigest(), tokens=tokens)
 
 
