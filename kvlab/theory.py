@@ -5,6 +5,11 @@ update at the last layer, the MLP, the lm_head, a beam reorder) and the bytes al
 are counted from shapes: the cache each design holds, the copies its update makes, the logits the
 loop keeps, and the activations of one layer. The peak is the largest phase over all steps.
 
+How it reads: `peak_phases` walks a `Run` (what the point fixes) step by step; `CacheWalk` gives each forward's
+`Step` (what the cache holds around it); each phase is a function of the two (`_update_phase` ...
+`_beam_reorder_phase`), and what lives through the whole step is added to each (`_held_through_the_step`,
+`_previous_locals`). `breakdown` is the peak's terms for printing.
+
 Units: t = bytes of one layer's keys (or values) for one token = rows x kv_heads x head_dim x dtype;
 one token of the whole cache is 2 x layers x t.
 """
