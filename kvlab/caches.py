@@ -19,7 +19,8 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer, StaticCache
+from transformers.cache_utils import (Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer, StaticCache,
+                                      get_layer_types_and_kwargs)
 
 from .compat import cache_argument
 from .meter import storage_bytes
@@ -305,13 +306,13 @@ def num_layers(model) -> int:
     return model.config.get_text_config(decoder=True).num_hidden_layers
 
 
-def sliding_windows(model) -> list[int | None]:
-    """Each layer's window, None for a full-attention layer: from `layer_types` where the config has them, else
-    `sliding_window` for every layer (Mistral), as transformers' `DynamicCache(config=...)` reads them."""
-    config = model.config.get_text_config(decoder=True)
-    window = getattr(config, "sliding_window", None)
-    types = getattr(config, "layer_types", None) or ["sliding_attention" if window else "full_attention"] * num_layers(model)
-    return [window if kind == "sliding_attention" else None for kind in types]
+def sliding_windows(config) -> list[int | None]:
+    """Each layer's sliding window, None for a full-attention layer, as 5.x's `DynamicCache(config=...)` reads a
+    (model's) config: `layer_types` where it has them, else `sliding_window` for every layer (Mistral)."""
+    types, options = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    if isinstance(options, dict):  # older 5.x (5.17): one kwargs dict for every layer, not a list per layer
+        options = [options] * len(types)
+    return [kw.get("sliding_window") if "sliding" in kind else None for kind, kw in zip(types, options)]
 
 
 def make_cache(name: str, model, *, max_cache_len: int | None = None, chunk_limit: int = 50, block_tokens: int = 32):
@@ -321,7 +322,7 @@ def make_cache(name: str, model, *, max_cache_len: int | None = None, chunk_limi
     layers = num_layers(model)
     if name == "tuple":
         return TupleCache.from_tuples((), layers)
-    windows = sliding_windows(model)
+    windows = sliding_windows(model.config)
     if name == "dynamic":
         return KVCache([SlidingCatLayer(w) if w else CatLayer() for w in windows])
     if name == "list":

@@ -24,7 +24,8 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import AttentionInterface, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (AttentionInterface, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
+                          TopPLogitsWarper)
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -123,44 +124,26 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "d
              cache_options: dict | None = None) -> Generation:
     """Decode `new_tokens` tokens after `input_ids` as release `loop` did; continue from `past` if given.
 
-    `cache_options` go to `make_cache`. `meter` (a `kvlab.meter.MemoryMeter`, already entered) is told where
-    each step ends and which tensors are cache and logits, so it can draw the timeline and split the peak.
+    model: a decoder in eval mode (`kvlab.models.build_model`).
+    input_ids: (batch, prompt) token ids; in a restart, the `tokens` of the first call's Generation (for beam
+        search, its batch x beams rows).
+    new_tokens: how many tokens to decode, at least 1; no EOS stops the loop early.
+    cache: the design of the cache the loop starts (`kvlab.caches.CACHES`); unused when `past` is given.
+    loop: the release whose `generate()` loop this is (`LOOPS`: v4.40, v4.42, v5).
+    strategy: greedy, sample (seeded, see `sampling`) or beam (see `num_beams`) (`STRATEGIES`).
+    num_beams: beams per row of the prompt, for strategy="beam".
+    sampling: the warpers and the seed of strategy="sample".
+    past: the cache to continue from (the `cache` of an earlier Generation), or None to start an empty one.
+    meter: a `kvlab.meter.MemoryMeter` already entered, or None: it is told where each step ends and which
+        tensors are cache and logits, so it can draw the timeline and split the peak.
+    cache_options: keywords for `make_cache` (chunk_limit, block_tokens, max_cache_len) when the loop starts a cache.
     """
-    check_choice("cache", cache, CACHES)
-    check_choice("loop", loop, LOOPS)
-    check_choice("strategy", strategy, STRATEGIES)
-    if new_tokens < 1:
-        raise ValueError(f"new_tokens must be positive, got {new_tokens}")
+    _check(cache, loop, strategy, new_tokens)
     release, device, tokens = LOOPS[loop], input_ids.device, input_ids
     if strategy == "beam" and past is None:
         tokens = tokens.repeat_interleave(num_beams, dim=0)  # as generate() does, before the prompt
-    batch = tokens.shape[0] // (num_beams if strategy == "beam" else 1)
-    kv = past
-    if kv is None and cache == "dynamic" and release.major == 4:
-        # 4.40.1's SDPA and eager attention masked a sliding window but grew the cache in full (only its
-        # FlashAttention-2 path sliced it): CatLayer everywhere. v5's make_cache gives sliding layers their form.
-        kv = KVCache([CatLayer() for _ in range(num_layers(model))])
-    elif kv is None:
-        # As generate() sizes it: the last new token is never fed back, so it never enters the cache.
-        kv = make_cache(cache, model, **{"max_cache_len": tokens.shape[1] + new_tokens - 1, **(cache_options or {})})
-    elif strategy == "beam" and tokens.shape[0] != cache_batch(kv):
-        raise ValueError("a beam-search restart needs the tokens of the first call (batch * beams rows)")
-
-    if strategy == "sample":
-        warpers = sampling.warpers()
-        generator = torch.Generator(device=device if device.type != "meta" else "cpu").manual_seed(sampling.seed)
-    if strategy == "beam":
-        # Only the first beam of each row is live at the start, so the beams do not all pick the same token.
-        beam_scores = torch.zeros(batch, num_beams, device=device)
-        beam_scores[:, 1:] = -1e9
-        beam_scores = beam_scores.view(-1)
-        if release.major == 5:
-            # v5: beam search preallocates its running and finished sequences and their beam indices at full
-            # length. Held only to occupy their bytes for the whole loop: kvlab never reads them.
-            length = tokens.shape[1] + new_tokens
-            beam_buffers = [torch.zeros(batch, num_beams, length, dtype=torch.long, device=device) for _ in "ab"]
-            beam_buffers += [torch.zeros(batch, num_beams, new_tokens, dtype=torch.int32, device=device) for _ in "ab"]
-
+    kv = _start_cache(model, release, cache, tokens, new_tokens, strategy, past, cache_options)
+    choose = _choice(strategy, release, tokens, new_tokens, num_beams, sampling)
     outputs = None
     start = time.perf_counter()
     with torch.inference_mode(), _forward_of(model, release, meter) as forward_options:
@@ -185,37 +168,116 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "d
             del new_outputs, handed_back
             if meter is not None:  # before a beam reorder replaces them within this step
                 meter.label(cache_tensors(kv), "kv")
-
-            # `next_logits`, and below `probs` and `scores`, stay alive into the next step as the locals of
-            # generate()'s loop do: each is rebound only after the next forward has returned.
-            if strategy == "greedy":
-                next_tokens = next_logits.argmax(dim=-1)
-            elif strategy == "sample":
-                probs = warpers(tokens, next_logits).softmax(dim=-1)
-                next_tokens = torch.multinomial(probs, 1, generator=generator).squeeze(1)
-            else:
-                vocab = next_logits.shape[-1]
-                scores = next_logits.log_softmax(dim=-1) + beam_scores[:, None]
-                top_scores, top_ids = scores.view(batch, -1).topk(num_beams, dim=1)
-                beam_scores = top_scores.view(-1)
-                source_beam = top_ids // vocab + torch.arange(batch, device=device)[:, None] * num_beams
-                beam_idx, next_tokens = source_beam.view(-1), (top_ids % vocab).view(-1)
-                tokens = tokens.index_select(0, beam_idx)
+            # `next_logits` stays alive into the next step as a local of generate()'s loop does: it is rebound
+            # only after the next forward has returned (and so do the choice's own, see `_Greedy`).
+            tokens = choose(tokens, next_logits)
+            if strategy == "beam":
                 # One tensor at a time; tuple / v4.40: `outputs` still holds the un-reordered tuple, so its
                 # reordered copy is built while the whole old one lives.
-                kv.reorder_cache(beam_idx)
+                kv.reorder_cache(choose.beam_idx)
             del mask, positions
-            tokens = torch.cat([tokens, next_tokens[:, None]], dim=-1)
-
+            tokens = torch.cat([tokens, choose.next_tokens[:, None]], dim=-1)
             if meter is not None:
-                meter.label(cache_tensors(kv), "kv")
-                if outputs is not None:
-                    meter.label(cache_tensors(cache_from_outputs(outputs)), "kv")
-                    meter.label(outputs.logits, "logits")
-                meter.step()
+                _end_step(meter, kv, outputs)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return Generation(tokens, kv, time.perf_counter() - start)
+
+
+def _check(cache: str, loop: str, strategy: str, new_tokens: int) -> None:
+    check_choice("cache", cache, CACHES)
+    check_choice("loop", loop, LOOPS)
+    check_choice("strategy", strategy, STRATEGIES)
+    if new_tokens < 1:
+        raise ValueError(f"new_tokens must be positive, got {new_tokens}")
+
+
+def _start_cache(model, release: Release, cache: str, tokens, new_tokens: int, strategy: str, past,
+                 cache_options: dict | None):
+    """The cache the loop decodes into: `past` if given (checked against the tokens), else a new one of `cache`."""
+    if past is not None:
+        if strategy == "beam" and tokens.shape[0] != cache_batch(past):
+            raise ValueError("a beam-search restart needs the tokens of the first call (batch * beams rows)")
+        return past
+    if cache == "dynamic" and release.major == 4:
+        # 4.40.1's SDPA and eager attention masked a sliding window but grew the cache in full (only its
+        # FlashAttention-2 path sliced it): CatLayer everywhere. v5's make_cache gives sliding layers their form.
+        return KVCache([CatLayer() for _ in range(num_layers(model))])
+    # As generate() sizes it: the last new token is never fed back, so it never enters the cache.
+    return make_cache(cache, model, **{"max_cache_len": tokens.shape[1] + new_tokens - 1, **(cache_options or {})})
+
+
+def _choice(strategy: str, release: Release, tokens, new_tokens: int, num_beams: int, sampling: Sampling):
+    """The callable that picks each step's next tokens under `strategy`."""
+    if strategy == "greedy":
+        return _Greedy()
+    if strategy == "sample":
+        return _Sample(sampling, tokens.device)
+    return _BeamSearch(release, tokens, new_tokens, num_beams)
+
+
+class _Greedy:
+    """`choose(tokens, next_logits)` → the tokens (reordered in beam search); the next tokens are `.next_tokens`.
+
+    A choice keeps what it computes as attributes, rebound at the next step's choice, because generate()'s loop
+    kept them as locals: alive from one step's choice through the next step's forward, where they add to the
+    peak."""
+
+    def __call__(self, tokens, next_logits):
+        self.next_tokens = next_logits.argmax(dim=-1)
+        return tokens
+
+
+class _Sample(_Greedy):
+    """Seeded sampling from the warped probabilities (kept, as generate()'s `probs`)."""
+
+    def __init__(self, sampling: Sampling, device):
+        self.warpers = sampling.warpers()
+        self.generator = torch.Generator(device=device if device.type != "meta" else "cpu").manual_seed(sampling.seed)
+
+    def __call__(self, tokens, next_logits):
+        self.probs = self.warpers(tokens, next_logits).softmax(dim=-1)
+        self.next_tokens = torch.multinomial(self.probs, 1, generator=self.generator).squeeze(1)
+        return tokens
+
+
+class _BeamSearch(_Greedy):
+    """Beam search: each row keeps its `num_beams` best continuations by summed log-probability; `.beam_idx` is the
+    row each continuation came from, for the cache's reorder. Kept between steps as generate() kept them: the
+    scores over the vocabulary, the top scores and ids, the source beams."""
+
+    def __init__(self, release: Release, tokens, new_tokens: int, num_beams: int):
+        device, self.num_beams = tokens.device, num_beams
+        self.batch = tokens.shape[0] // num_beams
+        # Only the first beam of each row is live at the start, so the beams do not all pick the same token.
+        beam_scores = torch.zeros(self.batch, num_beams, device=device)
+        beam_scores[:, 1:] = -1e9
+        self.beam_scores = beam_scores.view(-1)
+        if release.major == 5:
+            # v5: beam search preallocates its running and finished sequences and their beam indices at full
+            # length. Held only to occupy their bytes for the whole loop: kvlab never reads them.
+            length = tokens.shape[1] + new_tokens
+            self.buffers = [torch.zeros(self.batch, num_beams, length, dtype=torch.long, device=device) for _ in "ab"]
+            self.buffers += [torch.zeros(self.batch, num_beams, new_tokens, dtype=torch.int32, device=device)
+                             for _ in "ab"]
+
+    def __call__(self, tokens, next_logits):
+        batch, num_beams, vocab = self.batch, self.num_beams, next_logits.shape[-1]
+        self.scores = next_logits.log_softmax(dim=-1) + self.beam_scores[:, None]
+        self.top_scores, self.top_ids = self.scores.view(batch, -1).topk(num_beams, dim=1)
+        self.beam_scores = self.top_scores.view(-1)
+        self.source_beam = self.top_ids // vocab + torch.arange(batch, device=tokens.device)[:, None] * num_beams
+        self.beam_idx, self.next_tokens = self.source_beam.view(-1), (self.top_ids % vocab).view(-1)
+        return tokens.index_select(0, self.beam_idx)
+
+
+def _end_step(meter, kv, outputs) -> None:
+    """Label the cache (and v4.40's kept outputs: their cache and logits) and close the meter's step."""
+    meter.label(cache_tensors(kv), "kv")
+    if outputs is not None:
+        meter.label(cache_tensors(cache_from_outputs(outputs)), "kv")
+        meter.label(outputs.logits, "logits")
+    meter.step()
 
 
 def cache_batch(kv) -> int:

@@ -138,7 +138,19 @@ class MemoryReport:
         return self.peak_bytes - self.baseline_bytes
 
 
-class MemoryMeter:
+class Meter:
+    """What every meter shares (this one, and kvlab.graphs.meter's profiler): a report made as its `with` block
+    ends (the subclass's `__exit__` sets `_report`)."""
+
+    _report: MemoryReport | None = None
+
+    def report(self) -> MemoryReport:
+        if self._report is None:
+            raise RuntimeError("the meter's report is ready once its `with` block has ended")
+        return self._report
+
+
+class MemoryMeter(Meter):
     """`with MemoryMeter(device, model) as meter: ...; meter.step() ...`. On CUDA, `track_storages=True` also
     counts live storages (slower) for the split at the peak and a cross-check."""
 
@@ -154,7 +166,6 @@ class MemoryMeter:
         self.timeline: list[StepMemory] = []
         self.cuda_peak = self.reserved_peak = 0  # CUDA: highest over the steps closed so far
         self.start_allocated = 0  # CUDA: bytes the allocator held at entry; overhead is counted above it
-        self._report: MemoryReport | None = None
 
     def __enter__(self):
         if self.on_cuda:
@@ -205,11 +216,6 @@ class MemoryMeter:
                 serial = self.counter.serial_of(leaf)
                 if serial is not None:
                     self.labels.setdefault(serial, category)
-
-    def report(self) -> MemoryReport:
-        if self._report is None:
-            raise RuntimeError("the meter's report is ready once its `with` block has ended")
-        return self._report
 
     def _make_report(self) -> MemoryReport:
         at_peak = {"weights": self.weights, "kv": 0, "logits": 0, "other": 0}

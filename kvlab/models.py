@@ -1,8 +1,11 @@
-"""A model from a preset, a local config.json or a hub id: public config values, seeded random weights.
+"""A model from a preset, a local config.json or a hub id: public config values, seeded random weights; the
+seeded prompt it is fed; the bytes of its KV cache.
 
 Memory does not depend on weight values, so a model built from its public config with random weights
 allocates exactly what the real checkpoint would. The presets are kvlab.presets; reading and checking a
-config is kvlab.configs.
+config is kvlab.configs. Both are imported where a model is built, not at the top: the real releases' worker
+(kvlab.lab.reference, under transformers 4.40.1) imports this module for `random_prompt`, and the presets
+name 5.x's config classes.
 """
 
 from __future__ import annotations
@@ -11,8 +14,6 @@ import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
 from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
 
-from .configs import hub_error, hub_reachable, is_hub_id, load_config, one_line
-from .presets import ENCODER_DECODERS, vary_decoder
 
 
 def assert_varied(new_tokens, least: float = 0.5) -> None:
@@ -67,11 +68,13 @@ def model_class(config) -> type:
 
 def attention_of(config) -> str:
     """SDPA, or eager where transformers has no SDPA path for the model (GPT-OSS: its attention sinks)."""
-    return "sdpa" if getattr(model_class(config)._model_mapping.get(type(config), None), "_supports_sdpa", True) else "eager"
+    model = model_class(config)._model_mapping.get(type(config), None)
+    return "sdpa" if getattr(model, "_supports_sdpa", True) else "eager"
 
 
 def instantiate(config, dtype: torch.dtype):
     """The model of a config, on the default device; one that transformers cannot build is one line."""
+    from .configs import one_line
     try:
         return model_class(config).from_config(config, dtype=dtype)
     except (KeyError, ValueError, TypeError) as error:  # e.g. hidden_act=nope: KeyError 'nope' from the layers
@@ -82,6 +85,8 @@ def instantiate(config, dtype: torch.dtype):
 def build_model(preset: str = "toy", overrides=None, device: str = "cpu", dtype: str = "float32", seed: int = 0):
     """A model in eval mode (a decoder or an encoder–decoder): random weights (seeded) from a preset or a
     local config.json, or real weights from a hub id."""
+    from .configs import hub_error, hub_reachable, is_hub_id, load_config
+    from .presets import ENCODER_DECODERS, vary_decoder
     check_device(device)
     torch_dtype = parse_dtype(dtype)
     config = load_config(preset, overrides)
@@ -115,3 +120,16 @@ def head_dim(config) -> int:
 def kv_bytes_per_token(config, batch: int, dtype: str) -> int:
     """Bytes one token adds to the KV cache of the whole model (keys and values, every layer)."""
     return 2 * config.num_hidden_layers * batch * config.num_key_value_heads * head_dim(config) * element_size(dtype)
+
+
+def final_kv_bytes(config, sequences: int, tokens: int, dtype: str) -> int:
+    """The final KV: every layer's keys and values for `tokens` tokens of each of `sequences` rows (batch x beams),
+    sliding layers too (the whole sequence's KV, not what a windowed cache keeps). It is what a point's overhead
+    is divided by (`overhead_over_kv`): the cache a run would hold if it were stored once, in full."""
+    return kv_bytes_per_token(config, sequences, dtype) * tokens
+
+
+def random_prompt(vocab_size: int, batch: int, prompt: int, seed: int) -> torch.Tensor:
+    """The seeded prompt of a point: `batch` rows of `prompt` token ids, drawn on the CPU so that every device (and
+    every release's worker) gets the same ids."""
+    return torch.randint(0, vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(seed))

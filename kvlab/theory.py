@@ -5,6 +5,11 @@ update at the last layer, the MLP, the lm_head, a beam reorder) and the bytes al
 are counted from shapes: the cache each design holds, the copies its update makes, the logits the
 loop keeps, and the activations of one layer. The peak is the largest phase over all steps.
 
+How it reads: `peak_phases` walks a `Run` (what the point fixes) step by step; `CacheWalk` gives each forward's
+`Step` (what the cache holds around it); each phase is a function of the two (`_update_phase` ...
+`_beam_reorder_phase`), and what lives through the whole step is added to each (`_held_through_the_step`,
+`_previous_locals`). `breakdown` is the peak's terms for printing.
+
 Units: t = bytes of one layer's keys (or values) for one token = rows x kv_heads x head_dim x dtype;
 one token of the whole cache is 2 x layers x t.
 """
@@ -12,12 +17,14 @@ one token of the whole cache is 2 x layers x t.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from .loops import LOOPS
-from .models import element_size, head_dim, kv_bytes_per_token
+from .caches import sliding_windows
+from .loops import LOOPS, Release
+from .models import element_size, final_kv_bytes, head_dim, kv_bytes_per_token
 
-POINT_KEYS = ("cache", "loop", "strategy", "batch", "prompt", "new", "restart_new", "restart_from", "num_beams", "dtype",
-              "chunk_limit", "block_tokens", "runtime")
+POINT_KEYS = ("cache", "loop", "strategy", "batch", "prompt", "new", "restart_new", "restart_from", "num_beams",
+              "dtype", "chunk_limit", "block_tokens", "runtime")
 INT64 = 8
 FP32 = 4
 # Decoders whose attention transformers runs only in eager PyTorch (GPT-OSS: its attention sinks have no SDPA path):
@@ -42,19 +49,12 @@ class Shape:
         self.t = self.token // (2 * self.layers)
         self.eager = config.model_type in EAGER_ATTENTION
         self.experts, self.top_k = getattr(config, "num_local_experts", 0), getattr(config, "num_experts_per_tok", 0)
+        # Gemma-3 computes rotary cos/sin once per layer type (its rope_parameters are keyed by layer type).
+        rope = getattr(config, "rope_parameters", None) or {}
+        self.rope_sets = len(rope) if rope and all(isinstance(v, dict) for v in rope.values()) else 1
 
     def kv(self, length: int) -> int:
         return self.token * length
-
-
-def windows(config) -> list:
-    """Each layer's sliding window, None for a full-attention layer: as 5.x's `DynamicCache(config=...)` reads
-    the config (`layer_types`, else `sliding_window`)."""
-    from transformers.cache_utils import get_layer_types_and_kwargs
-    types, options = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    if isinstance(options, dict):  # older 5.x (5.17): one kwargs dict for every layer, not a list per layer
-        options = [options] * len(types)
-    return [kw.get("sliding_window") if "sliding" in kind else None for kind, kw in zip(types, options)]
 
 
 class Layers:
@@ -119,6 +119,114 @@ class Buffers:
         return transient
 
 
+class Run:
+    """What a point fixes for all its steps: the sizes, the release's loop, the design and the sliding windows."""
+
+    def __init__(self, s: Shape, release: Release, windows: list, cache: str, strategy: str, runtime: str,
+                 restart_from: str, prompt: int, new: int, restart_new: int, chunk_limit: int, block_tokens: int):
+        self.s, self.release, self.windows = s, release, windows
+        self.cache, self.strategy, self.runtime, self.restart_from = cache, strategy, runtime, restart_from
+        self.prompt, self.new, self.restart_new = prompt, new, restart_new
+        self.chunk_limit, self.block_tokens = chunk_limit, block_tokens
+        self.tuple_cache, self.keeps_outputs = cache == "tuple", release.keeps_previous_outputs
+        self.max_len = prompt + new + restart_new
+        self.static_len = self.max_len - 1  # as generate() sizes it: the last new token never enters the cache
+        self.held_after_first = prompt + new - 1  # tokens of the first call's cache: the caller's tuple in a restart
+        self.groups = s.heads // s.kv_heads
+        self.window = next((w for w in windows if w), None)  # the sliding mask's (one for every sliding layer)
+        self.last_window, self.has_full = windows[-1], None in windows
+        # 5.x's StaticCache gives a sliding layer min(W, length) slots; empty where no layer is shorter.
+        static = [min(w or self.static_len, self.static_len) for w in windows] if cache == "static" else []
+        self.static_windows = static if any(w != self.static_len for w in static) else []
+
+
+@dataclass
+class Step:
+    """One forward of the run and the state its phases read: the tokens it feeds, what the cache holds around
+    its last layer's update, and the keys that layer attends to."""
+
+    index: int
+    call: int  # 0: the first generate() call; 1: the restart's
+    fed: int  # tokens fed to this forward
+    before: int  # cache length before it ...
+    after: int  # ... and after it
+    first_of_call: bool
+    previous_fed: int  # tokens fed to the previous forward (v4.40 keeps their logits)
+    held_before: int  # bytes the cache held before this forward
+    held_after: int  # ... and after the last layer's update
+    old_tuple: int  # bytes of the caller's old tuple, referenced while the new one grows (tuple, convert)
+    old_last: int  # tokens of the last layer's values storage before its cat
+    seen: int  # keys a sliding layer attends to (every key on a full-attention model)
+    transient: int  # prealloc: tokens of one layer's buffer copied aside during the update
+    chunks: int  # list: chunks per layer after the update
+    consolidated: bool  # list: this update joined the chunks into one
+    mask: dict  # the attention mask's term, if the forward builds one (alive until the decoder stack returns)
+    keys: int  # keys the last layer attends to
+
+
+class CacheWalk:
+    """The design's storage, forward by forward: 5.x's dynamic layers on a sliding config (`Layers`), prealloc's
+    buffers (`Buffers`), the list's chunk count; the other designs follow from the cache length."""
+
+    def __init__(self, run: Run):
+        self.run = run
+        # 5.x's dynamic cache on a sliding or hybrid config: each layer's storage walked step by step.
+        release, layers = run.release, run.s.layers
+        self.sliding = list(run.windows) if run.cache == "dynamic" and release.major == 5 else [None] * layers
+        self.layers = Layers(self.sliding) if any(self.sliding) else None
+        self.buffers = Buffers(run.windows, run.block_tokens) if run.cache == "prealloc" else None
+        self.chunks = 0
+        self.held = self.fed = 0  # bytes held and tokens fed as of the last step
+
+    def steps(self):
+        """A `Step` for every forward of the run, the cache updated to it."""
+        r = self.run
+        for index, (call, fed, before, after) in enumerate(_steps(r.prompt, r.new, r.restart_new)):
+            yield self._advance(index, call, fed, before, after)
+
+    def _advance(self, index: int, call: int, fed: int, before: int, after: int) -> Step:
+        r, s = self.run, self.run.s
+        held_after = _held(s, r.cache, after, r.static_len)
+        if r.static_windows:
+            held_after = 2 * s.t * sum(r.static_windows)
+        old_last, seen = before, after  # tokens of the last layer's values storage before its cat; keys attended
+        if self.layers is not None:
+            old_last = self.layers.storage[-1]
+            self.layers.update(fed)
+            held_after = 2 * s.t * sum(self.layers.storage)
+            seen = self.layers.storage[self.sliding.index(r.window)] if r.window else after
+        transient = 0
+        if self.buffers is not None:
+            transient = self.buffers.update(fed, before)
+            held_after = 2 * s.t * sum(self.buffers.storage)
+            seen = min(before, r.window - 1) + fed if r.window else after  # a sliding layer: its kept window + fed
+        consolidated = False
+        if r.cache == "list":
+            self.chunks = 1 if index == 0 else self.chunks + 1
+            if self.chunks >= r.chunk_limit:
+                self.chunks, consolidated = 1, True
+        full_seen = r.static_len if r.cache == "static" else after  # keys a full layer attends to
+        step = Step(index, call, fed, before, after,
+                    first_of_call=index == 0 or (call == 1 and before == r.held_after_first), previous_fed=self.fed,
+                    held_before=self.held, held_after=held_after,
+                    old_tuple=s.kv(before) if r.tuple_cache or r.runtime == "convert" else 0, old_last=old_last,
+                    seen=seen, transient=transient, chunks=self.chunks, consolidated=consolidated,
+                    mask=_mask(r, fed, seen, full_seen), keys=seen if r.last_window else full_seen)
+        self.held, self.fed = held_after, fed
+        return step
+
+    def reorder_peak(self) -> int:
+        """5.x's sliding layers: the peak of a beam reorder, in bytes (it leaves each layer at its kept view)."""
+        return self.layers.reorder(self.run.s.t)
+
+    def held_tokens(self) -> list:
+        """Tokens each layer's storage holds at the end (5.x sliding layers plateau at the window, the rest grow)."""
+        if self.layers or self.buffers:
+            return list((self.layers or self.buffers).storage)
+        r = self.run
+        return r.static_windows or [r.static_len if r.cache == "static" else r.max_len - 1] * r.s.layers
+
+
 def _held(s: Shape, cache: str, length: int, max_len: int) -> int:
     """Bytes the cache design holds for `length` tokens (prealloc's buffers: `Buffers`)."""
     return s.kv(max_len if cache == "static" else length)
@@ -135,10 +243,231 @@ def _steps(prompt, new, restart_new):
     return steps
 
 
+def _mask(r: Run, fed: int, seen: int, full_seen: int) -> dict:
+    """The attention mask a forward builds, alive until the decoder stack returns (before the lm_head). SDPA gets
+    one only past a sliding window (else its is_causal shortcut needs none): a bool per (query, key). Eager
+    attention gets one per layer type at every step, in the model's dtype."""
+    s = r.s
+    if s.eager:
+        return {"attention masks (model dtype)": s.rows * fed * s.e * (
+            full_seen * r.has_full + seen * (r.window is not None))}
+    return {"sliding-window attention mask (bool)": s.rows * fed * seen} if r.window and seen >= r.window else {}
+
+
+def _hidden_states(s: Shape, fed: int) -> int:
+    """The embeddings (the model keeps `inputs_embeds` referenced for its whole forward), the residual stream and
+    the normed input."""
+    return 3 * s.rows * fed * s.hidden * s.e
+
+
+def _rotary(s: Shape, fed: int) -> int:
+    """Rotary cos and sin: one row per sequence (from the position ids), one pair per rope set."""
+    return 2 * s.rows * fed * s.head_dim * s.e * s.rope_sets
+
+
+def _layer_activations(s: Shape, fed: int) -> int:
+    """Alive in the last layer as attention runs: the hidden states, q, k, v and the rotary cos/sin."""
+    return _hidden_states(s, fed) + s.rows * fed * (s.heads + 2 * s.kv_heads) * s.head_dim * s.e + _rotary(s, fed)
+
+
+def _around_the_layer(step: Step) -> dict:
+    """What every phase inside the forward sits on: the cache after the update and the caller's old tuple."""
+    return {"cache after the update": step.held_after, "old tuple still referenced": step.old_tuple}
+
+
+def _update_phase(r: Run, step: Step) -> dict:
+    """The last layer's cache update: the copies the design makes as it writes the new tokens (they die before
+    attention starts), beside the layer's activations (its new keys and values among them)."""
+    terms = {**_around_the_layer(step), "activations of one layer": _layer_activations(r.s, step.fed), **step.mask}
+    restarted_from_tuples = step.call == 1 and step.first_of_call and r.restart_from == "tuples"
+    if r.cache == "dynamic" and step.before > 0 and not restarted_from_tuples:
+        terms["old values tensor during its cat"] = r.s.t * step.old_last  # (else the caller's tuple holds it)
+    if step.consolidated:
+        terms["consolidation: old chunks during the cat"] = r.s.t * step.after
+    if step.transient:
+        terms["old values buffer during growth, or a window's clone as it moves"] = r.s.t * step.transient
+    return terms
+
+
+def _attention_phase(r: Run, step: Step) -> dict:
+    """The last layer's attention. The layer's new keys and values are dead once the cache returns its own
+    tensors, except where prealloc's window buffer is too short for the feed (attention reads them as they came).
+
+    SDPA: its output beside its inputs, which are repeat_kv copies of the layer's keys and values where
+    transformers does not use SDPA's grouped-query path: always in <= 4.42; in 5.x when the layer gets a mask and
+    more than one query (a prompt past the window). Eager attention (GPT-OSS) peaks as it shifts the scores for
+    the softmax: the masked scores, the scores with one sink column, their shifted copy and the row maxima,
+    beside repeat_kv copies of the keys and values."""
+    s, fed = r.s, step.fed
+    read_as_fed = r.cache == "prealloc" and r.last_window and fed > r.last_window - 1 + r.block_tokens
+    new_kv = 0 if read_as_fed else 2 * s.t * fed
+    terms = {**_around_the_layer(step), "activations of one layer": _layer_activations(s, fed) - new_kv,
+             **step.mask}
+    if r.cache == "list" and step.chunks > 1:
+        terms["keys and values concatenated for attention"] = 2 * s.t * step.after
+    if not s.eager:
+        copies = r.groups > 1 and (r.release.major == 4 or (step.mask and fed > 1 and r.last_window))
+        terms["repeat_kv copies of one layer (SDPA without its grouped-query path)"] = (
+            2 * r.groups * s.t * step.keys if copies else 0)
+        terms["attention output"] = s.rows * fed * s.heads * s.head_dim * s.e
+    else:
+        terms["eager attention: scores, with the sinks, shifted, and their maxima"] = (
+            _one_keys_scores(s, fed) * (3 * step.keys + 3))
+        terms["repeat_kv copies of one layer"] = 2 * r.groups * s.t * step.keys if r.groups > 1 else 0
+    return terms
+
+
+def _one_keys_scores(s: Shape, fed: int) -> int:
+    """Bytes of the attention scores against one key: a score per (row, head, query)."""
+    return s.rows * s.heads * fed * s.e
+
+
+def _mask_phase(r: Run, step: Step) -> dict | None:
+    """Before the first layer (SDPA past a sliding window): masking_utils.sdpa_mask builds the mask from the window
+    and causal conditions (one bool of fed x keys each, then their intersection), then intersects it with the
+    padding mask, one row per sequence. On a long prompt this is the forward's peak, with nothing but the
+    embeddings beside it (and the cache from before the forward)."""
+    if not step.mask or r.s.eager:
+        return None
+    s, fed, seen = r.s, step.fed, step.seen
+    return {"cache before the forward": 0 if r.tuple_cache else step.held_before,
+            "old tuple still referenced": step.old_tuple, "embeddings": s.rows * fed * s.hidden * s.e,
+            "sliding-window mask being built (bool)": max(3, 1 + s.rows) * fed * seen,
+            "query and key positions (int64)": (fed + seen) * INT64}
+
+
+def _mlp_phase(r: Run, step: Step) -> dict:
+    """The MLP of the last layer (it matters for the prompt only): gate, up and their product beside the hidden
+    states. GPT-OSS's experts (grouped_mm) instead work on each token's top-k (token, expert) pairs, sorted by
+    expert, and its eager attention leaves the layer's attention probabilities alive."""
+    s, fed = r.s, step.fed
+    terms = {**_around_the_layer(step), "gate, up and their product": 3 * s.rows * fed * s.intermediate * s.e,
+             "embeddings, residual stream and normed input": _hidden_states(s, fed) + s.rows * fed * s.hidden * s.e,
+             "rotary cos and sin": _rotary(s, fed), **step.mask}
+    if s.experts:
+        pairs = s.rows * fed * s.top_k
+        terms.update({
+            "gate, up and their product": 0,
+            "experts: gate_up and its biases (2 x 2I); gate, up, glu, up + 1 and their product (5 x I)":
+                9 * pairs * s.intermediate * s.e,
+            "experts: the hidden states gathered per pair": pairs * s.hidden * s.e,
+            "router logits and scores; pair order, expert ids and weights": s.rows * fed * (
+                s.experts * s.e + s.top_k * (s.e + INT64)) + pairs * (s.e + FP32 + 2 * INT64),
+            "attention probabilities the layer keeps (eager)": (
+                _one_keys_scores(s, fed) * (step.keys + 1) if s.eager else 0)})
+    return terms
+
+
+def _kept_positions(r: Run, step: Step) -> int:
+    """Positions whose logits the forward computes: the last only in 5.x (`logits_to_keep=1`), every fed one
+    before."""
+    return 1 if r.release.major == 5 else step.fed
+
+
+def _lm_head_phase(r: Run, step: Step) -> dict:
+    """The lm_head: the kept positions' logits beside the final hidden states; <= 4.42 also upcast every fed
+    position's logits to fp32 inside the forward."""
+    s, fed = r.s, step.fed
+    return {**_around_the_layer(step),
+            "logits of the kept positions": s.rows * _kept_positions(r, step) * s.vocab * s.e,
+            "fp32 upcast of every position's logits (<= 4.42)": s.rows * fed * s.vocab * FP32
+            if r.release.major == 4 and s.e != FP32 else 0,
+            "final hidden states": s.rows * fed * s.hidden * s.e}
+
+
+def _next_token_phase(r: Run, step: Step) -> dict | None:
+    """After the forward, v4.42 and v5 copy the last position's logits to fp32 while the forward's logits (and the
+    previous step's copy) are alive. v4.40 makes no copy: its next-token logits are a view into the outputs."""
+    if r.keeps_outputs:
+        return None
+    s = r.s
+    return {**_around_the_layer(step),
+            "forward's logits": s.rows * _kept_positions(r, step) * s.vocab * (FP32 if r.release.major == 4 else s.e),
+            "next-token logits (fp32)": s.rows * s.vocab * FP32}
+
+
+def _beam_scoring_phase(r: Run, step: Step) -> dict | None:
+    """Beam search scores the fp32 next-token logits: log_softmax, plus the beam scores (two more vocabulary-wide
+    tensors), while the previous step's scores are alive."""
+    if r.strategy != "beam" or r.keeps_outputs:
+        return None
+    vocab_fp32 = r.s.rows * r.s.vocab * FP32
+    return {"cache after the update": step.held_after, "next-token logits (fp32)": vocab_fp32,
+            "log_softmax and beam scores (fp32)": 2 * vocab_fp32}
+
+
+def _beam_reorder_phase(r: Run, walk: CacheWalk, step: Step) -> dict | None:
+    """The beam reorder after the forward, beside the logits and the beam scores. The tuple under v4.40 copies the
+    whole cache while `outputs` holds the un-reordered one; the other designs copy one tensor at a time, the old
+    one freed before the next is copied: the largest tensor is the transient."""
+    if r.strategy != "beam":
+        return None
+    s, after = r.s, step.after
+    if r.tuple_cache and r.keeps_outputs:
+        terms = {"un-reordered tuple (held by outputs)": s.kv(after), "reordered tuple": s.kv(after)}
+    elif walk.layers is not None:
+        terms = {"cache": step.held_after, "one reordered tensor": walk.reorder_peak() - step.held_after}
+    else:
+        largest = {"static": max(r.static_windows or [r.static_len]),
+                   "list": after - (step.chunks - 1)}.get(r.cache, after)  # list: its largest chunk
+        largest = max(walk.buffers.storage) if walk.buffers else largest  # prealloc: its largest buffer
+        terms = {"cache": step.held_after, "one reordered tensor": s.t * largest}
+    if r.keeps_outputs:
+        terms["logits kept (v4.40)"] = s.rows * step.fed * s.vocab * FP32
+    else:
+        terms["next-token logits (fp32)"] = s.rows * s.vocab * FP32
+    terms["beam scores (fp32)"] = s.rows * s.vocab * FP32
+    return terms
+
+
+def _phases(r: Run, walk: CacheWalk, step: Step) -> dict:
+    """The step's phases in the order they happen, each its terms: the last layer's update, its attention, the
+    mask built before the first layer, the MLP, the lm_head, then the loop's own work after the forward."""
+    phases = {"update": _update_phase(r, step), "attention": _attention_phase(r, step),
+              "mask": _mask_phase(r, step), "mlp": _mlp_phase(r, step), "lm_head": _lm_head_phase(r, step),
+              "next-token logits": _next_token_phase(r, step), "beam scoring": _beam_scoring_phase(r, step),
+              "beam reorder": _beam_reorder_phase(r, walk, step)}  # last: it moves a sliding layer to its view
+    return {name: terms for name, terms in phases.items() if terms is not None}
+
+
+def _held_through_the_step(r: Run, step: Step) -> dict:
+    """What lives through every phase of the step: the loop's token ids, mask and positions (the prompt's ids exist
+    before the first forward: only its mask and positions are new), v4.40's previous outputs (the fp32 logits of
+    every fed position), 5.x's beam buffers, and the tuples a caller still holds."""
+    s = r.s
+    terms = {"tokens, attention mask and position ids (int64)": (3 - (step.index == 0)) * s.rows * step.after * INT64,
+             "previous step's logits (v4.40)": (
+                 s.rows * step.previous_fed * s.vocab * FP32 if r.keeps_outputs else 0)}
+    if r.strategy == "beam" and r.release.major == 5:
+        length, count = (r.prompt + r.new, r.new) if step.call == 0 else (r.max_len, r.restart_new)
+        terms["5.x beam bookkeeping (sequences, beam indices)"] = 2 * s.rows * (length * INT64 + count * 4)
+    if step.call == 1 and (r.restart_from == "tuples" or (r.tuple_cache and not step.first_of_call)):
+        terms["tuple the caller still holds (restart)"] = s.kv(r.held_after_first)
+    if r.tuple_cache and r.keeps_outputs and r.strategy == "beam" and step.before > 0:
+        terms["un-reordered tuple held by outputs (beam, v4.40)"] = s.kv(step.before)
+    return terms
+
+
+def _previous_locals(r: Run, step: Step, phase: str) -> dict:
+    """The loop's locals from the previous step, alive until rebound: through the forward, the next-token logits
+    (v4.40's are a view into the kept outputs) and the probabilities or beam scores. Beam scoring has already
+    rebound the logits, and the reorder comes after the scores too."""
+    if step.first_of_call or phase == "beam reorder":
+        return {}
+    s, terms = r.s, {}
+    if not r.keeps_outputs and phase != "beam scoring":
+        terms["previous step's next-token logits (fp32)"] = s.rows * s.vocab * FP32
+    if r.strategy in ("beam", "sample"):
+        terms[f"previous step's {'beam scores' if r.strategy == 'beam' else 'probabilities'} (fp32)"] = (
+            s.rows * s.vocab * FP32)
+    return terms
+
+
 def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, prompt=64, new=512,
                 restart_new=0, restart_from="cache", num_beams=4, dtype="float32", chunk_limit=50, block_tokens=32,
                 runtime="eager"):
-    """Every phase's bytes above the weights; returns (peak, the phase that makes it, its terms, final KV).
+    """Every phase's bytes above the weights; returns (peak, the phase that makes it, its terms, final KV, tokens
+    each layer's storage holds at the end).
 
     `runtime` (kvlab.graphs): jit-trace is the tuple design under v5's loop (the caller holds the old
     tuple while the graph builds the new one); convert is the dynamic design plus the old tuple the
@@ -148,184 +477,20 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
     """
     s = Shape(config, batch, dtype, strategy, num_beams)
     if runtime == "export":
-        return _exported_peak(s, prompt, new)
-    release = LOOPS[loop]
-    tuple_cache, keeps_outputs = cache == "tuple", release.keeps_previous_outputs
-    max_len = prompt + new + restart_new
-    static_len = max_len - 1  # as generate() sizes it: the last new token never enters the cache
-    groups = s.heads // s.kv_heads
-    # 5.x's dynamic cache on a sliding or hybrid config: each layer's storage walked step by step.
-    sliding = windows(config) if cache == "dynamic" and release.major == 5 else [None] * s.layers
-    layers = Layers(sliding) if any(sliding) else None
-    buffers = Buffers(windows(config), block_tokens) if cache == "prealloc" else None
-    static_windows = [min(w or static_len, static_len) for w in windows(config)] if cache == "static" else []
-    static_windows = static_windows if any(w != static_len for w in static_windows) else []
-    window = next((w for w in windows(config) if w), None)  # the sliding mask's (one for every sliding layer)
-    last_window, has_full = windows(config)[-1], None in windows(config)
-    # Gemma-3 computes rotary cos/sin once per layer type (its rope_parameters are keyed by layer type).
-    rope = getattr(config, "rope_parameters", None) or {}
-    rope_sets = len(rope) if rope and all(isinstance(v, dict) for v in rope.values()) else 1
-    held_after_first = prompt + new - 1  # the caller's tuple during a restart
-    chunks = held_before = 0
-    best = (-1, None, None)
-    prev_logits = 0  # v4.40: the previous step's outputs (fp32 logits of every fed position)
-
-    for index, (call, fed, before, after) in enumerate(_steps(prompt, new, restart_new)):
-        first_of_call = index == 0 or (call == 1 and before == held_after_first)
-        persistent = {  # the prompt's ids exist before the first forward: only its mask and positions are new
-            "tokens, attention mask and position ids (int64)": (3 - (index == 0)) * s.rows * after * INT64,
-            "previous step's logits (v4.40)": prev_logits,
-        }
-        # The loop's locals from the previous step live through the forward, until they are rebound.
-        previous = {}
-        if not first_of_call:
-            if not keeps_outputs:  # (v4.40's next-token logits are a view into the kept outputs)
-                previous["previous step's next-token logits (fp32)"] = s.rows * s.vocab * FP32
-            if strategy in ("beam", "sample"):
-                previous[f"previous step's {'beam scores' if strategy == 'beam' else 'probabilities'} (fp32)"] = (
-                    s.rows * s.vocab * FP32)
-        if strategy == "beam" and release.major == 5:
-            length, count = (prompt + new, new) if call == 0 else (prompt + new + restart_new, restart_new)
-            persistent["5.x beam bookkeeping (sequences, beam indices)"] = 2 * s.rows * (length * INT64 + count * 4)
-        if call == 1 and (restart_from == "tuples" or (tuple_cache and not first_of_call)):
-            persistent["tuple the caller still holds (restart)"] = s.kv(held_after_first)
-        if tuple_cache and keeps_outputs and strategy == "beam" and before > 0:
-            persistent["un-reordered tuple held by outputs (beam, v4.40)"] = s.kv(before)
-        old_tuple = s.kv(before) if tuple_cache or runtime == "convert" else 0
-        held_after = _held(s, cache, after, static_len)
-        if cache == "static" and static_windows:  # 5.x's StaticCache gives a sliding layer min(W, length) slots
-            held_after = 2 * s.t * sum(static_windows)
-        old_last, seen = before, after  # tokens of the last layer's values storage before its cat; keys attended
-        if layers is not None:
-            old_last = layers.storage[-1]
-            layers.update(fed)
-            held_after = 2 * s.t * sum(layers.storage)
-            seen = layers.storage[sliding.index(window)] if window else after
-        transient = 0  # prealloc: tokens of one layer's buffer copied aside during the update
-        if buffers is not None:
-            transient = buffers.update(fed, before)
-            held_after = 2 * s.t * sum(buffers.storage)
-            seen = min(before, window - 1) + fed if window else after  # a sliding layer reads its kept window + fed
-        # SDPA's is_causal shortcut is off: a bool mask, alive until the decoder stack returns (before the lm_head).
-        mask = {"sliding-window attention mask (bool)": s.rows * fed * seen} if window and seen >= window else {}
-        full_seen = static_len if cache == "static" else after  # keys a full layer attends to
-        keys = seen if last_window else full_seen  # ... and the last layer
-        if s.eager:  # eager attention gets a mask of each layer type, in the model's dtype, at every step
-            mask = {"attention masks (model dtype)": s.rows * fed * s.e * (
-                full_seen * has_full + seen * (window is not None))}
-        # Alive in the last layer: the embeddings, the residual stream, the normed input, q, k, v and the
-        # rotary cos/sin (one row per sequence, from the position ids). The model keeps `inputs_embeds`
-        # referenced for its whole forward.
-        hidden_states = 3 * s.rows * fed * s.hidden * s.e
-        rotary = 2 * s.rows * fed * s.head_dim * s.e * rope_sets
-        layer_acts = hidden_states + s.rows * fed * (s.heads + 2 * s.kv_heads) * s.head_dim * s.e + rotary
-        new_kv = 2 * s.t * fed  # the layer's new keys and values, dead once the cache returns its own tensors ...
-        # ... except where prealloc's window buffer is too short for the feed: attention reads them as they came
-        read_as_fed = buffers is not None and last_window and fed > last_window - 1 + block_tokens
-
-        # Phase: the last layer's cache update (its copies die before attention starts) ...
-        base = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
-                "activations of one layer": layer_acts, **mask}
-        update, attention = dict(base), dict(base)
-        attention["activations of one layer"] = layer_acts - (0 if read_as_fed else new_kv)
-        if cache == "dynamic" and before > 0 and not (call == 1 and first_of_call and restart_from == "tuples"):
-            update["old values tensor during its cat"] = s.t * old_last  # (else the caller's tuple holds it)
-        if cache == "list":
-            chunks = 1 if index == 0 else chunks + 1
-            if chunks >= chunk_limit:
-                chunks = 1
-                update["consolidation: old chunks during the cat"] = s.t * after
-            elif chunks > 1:
-                attention["keys and values concatenated for attention"] = 2 * s.t * after
-        if transient:
-            update["old values buffer during growth, or a window's clone as it moves"] = s.t * transient
-        # ... and its attention: SDPA's output beside its inputs, which are repeat_kv copies of the layer's keys and
-        # values where transformers does not use SDPA's grouped-query path: always in <= 4.42; in 5.x when the layer
-        # gets a mask and more than one query (a prompt past the window).
-        if not s.eager:
-            copies = groups > 1 and (release.major == 4 or (mask and fed > 1 and last_window))
-            attention["repeat_kv copies of one layer (SDPA without its grouped-query path)"] = (
-                2 * groups * s.t * keys if copies else 0)
-            attention["attention output"] = s.rows * fed * s.heads * s.head_dim * s.e
-        # Eager attention (GPT-OSS) peaks as it shifts the scores for the softmax: the masked scores, the scores with
-        # one sink column, their shifted copy and the row maxima, beside repeat_kv copies of the keys and values.
-        scores = s.rows * s.heads * fed * s.e  # one key's scores
-        if s.eager:
-            attention["eager attention: scores, with the sinks, shifted, and their maxima"] = scores * (3 * keys + 3)
-            attention["repeat_kv copies of one layer"] = 2 * groups * s.t * keys if groups > 1 else 0
-        phases = {"update": update, "attention": attention}
-        # Phase: before the first layer, masking_utils.sdpa_mask builds that mask from the window and causal conditions
-        # (one bool of fed x keys each, then their intersection), then intersects it with the padding mask, one row
-        # per sequence: on a long prompt this is the forward's peak, with nothing but the embeddings beside it.
-        if mask and not s.eager:
-            phases["mask"] = {"cache before the forward": 0 if tuple_cache else held_before,
-                              "old tuple still referenced": old_tuple, "embeddings": s.rows * fed * s.hidden * s.e,
-                              "sliding-window mask being built (bool)": max(3, 1 + s.rows) * fed * seen,
-                              "query and key positions (int64)": (fed + seen) * INT64}
-
-        # Phase: the MLP of the last layer (matters for the prompt only).
-        phases["mlp"] = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
-                         "gate, up and their product": 3 * s.rows * fed * s.intermediate * s.e,
-                         "embeddings, residual stream and normed input": hidden_states + s.rows * fed * s.hidden * s.e,
-                         "rotary cos and sin": rotary, **mask}
-        if s.experts:  # GPT-OSS's experts (grouped_mm): each token's top-k (token, expert) pairs, sorted by expert
-            pairs = s.rows * fed * s.top_k
-            phases["mlp"].update({
-                "gate, up and their product": 0,
-                "experts: gate_up and its biases (2 x 2I); gate, up, glu, up + 1 and their product (5 x I)":
-                    9 * pairs * s.intermediate * s.e,
-                "experts: the hidden states gathered per pair": pairs * s.hidden * s.e,
-                "router logits and scores; pair order, expert ids and weights": s.rows * fed * (
-                    s.experts * s.e + s.top_k * (s.e + INT64)) + pairs * (s.e + FP32 + 2 * INT64),
-                "attention probabilities the layer keeps (eager)": scores * (keys + 1) if s.eager else 0})
-        # Phase: the lm_head; <= 4.42 also upcast every fed position's logits to fp32 in the forward.
-        kept = 1 if release.major == 5 else fed
-        phases["lm_head"] = {"cache after the update": held_after, "old tuple still referenced": old_tuple,
-                             "logits of the kept positions": s.rows * kept * s.vocab * s.e,
-                             "fp32 upcast of every position's logits (<= 4.42)": s.rows * fed * s.vocab * FP32
-                             if release.major == 4 and s.e != FP32 else 0,
-                             "final hidden states": s.rows * fed * s.hidden * s.e}
-        # Phase: after the forward, v4.42 and v5 copy the last position's logits to fp32 while the forward's logits
-        # and the previous step's copy are alive; beam search then scores them (log_softmax, plus the beam
-        # scores: two more vocabulary-wide tensors) while the previous step's scores are alive.
-        vocab_fp32 = s.rows * s.vocab * FP32
-        if not keeps_outputs:
-            phases["next-token logits"] = {
-                "cache after the update": held_after, "old tuple still referenced": old_tuple,
-                "forward's logits": s.rows * kept * s.vocab * (FP32 if release.major == 4 else s.e),
-                "next-token logits (fp32)": vocab_fp32}
-        if strategy == "beam" and not keeps_outputs:
-            phases["beam scoring"] = {"cache after the update": held_after, "next-token logits (fp32)": vocab_fp32,
-                                      "log_softmax and beam scores (fp32)": 2 * vocab_fp32}
-        # Phase: beam reorder after the forward.
-        if strategy == "beam":
-            if tuple_cache and keeps_outputs:
-                reorder = {"un-reordered tuple (held by outputs)": s.kv(after), "reordered tuple": s.kv(after)}
-            else:  # one tensor at a time, the old one freed before the next is copied
-                largest = {"static": max(static_windows or [static_len]),
-                           "list": after - (chunks - 1)}.get(cache, after)  # list: its largest chunk
-                largest = max(buffers.storage) if buffers else largest  # prealloc: its largest buffer
-                reorder = {"cache": held_after, "one reordered tensor": s.t * largest}
-                if layers is not None:
-                    peak = layers.reorder(s.t)
-                    reorder = {"cache": held_after, "one reordered tensor": peak - held_after}
-            reorder["logits kept (v4.40)" if keeps_outputs else "next-token logits (fp32)"] = (
-                s.rows * fed * s.vocab * FP32 if keeps_outputs else s.rows * s.vocab * FP32)
-            reorder["beam scores (fp32)"] = s.rows * s.vocab * FP32
-            phases["beam reorder"] = reorder
-
-        for name, terms in phases.items():
-            kept_previous = {"beam reorder": {}, "beam scoring": {k: v for k, v in previous.items() if "beam" in k}}
-            terms = {**persistent, **kept_previous.get(name, previous), **terms}
+        peak, where, terms, held = _exported_peak(s, prompt, new)
+        return peak, where, terms, final_kv_bytes(config, s.rows, prompt + new, dtype), held
+    r = Run(s, LOOPS[loop], sliding_windows(config), cache=cache, strategy=strategy, runtime=runtime,
+            restart_from=restart_from, prompt=prompt, new=new, restart_new=restart_new, chunk_limit=chunk_limit,
+            block_tokens=block_tokens)
+    walk, best = CacheWalk(r), (-1, None, None)
+    for step in walk.steps():
+        held = _held_through_the_step(r, step)
+        for name, terms in _phases(r, walk, step).items():
+            terms = {**held, **_previous_locals(r, step, name), **terms}
             total = sum(terms.values())
             if total > best[0]:
-                best = (total, f"step {index} ({'restart ' if call else ''}{name})", terms)
-        prev_logits = s.rows * fed * s.vocab * FP32 if keeps_outputs else 0
-        held_before = held_after
-    # Tokens each layer's storage holds at the end (5.x sliding layers plateau at the window, the rest grow).
-    held_tokens = list((layers or buffers).storage) if layers or buffers else static_windows or [
-        static_len if cache == "static" else max_len - 1] * s.layers
-    return best[0], best[1], best[2], s.kv(max_len), held_tokens
+                best = (total, f"step {step.index} ({'restart ' if step.call else ''}{name})", terms)
+    return best[0], best[1], best[2], final_kv_bytes(config, s.rows, r.max_len, dtype), walk.held_tokens()
 
 
 def _exported_peak(s: Shape, prompt: int, new: int):
@@ -357,7 +522,7 @@ def _exported_peak(s: Shape, prompt: int, new: int):
             total = sum(terms.values())
             if total > best[0]:
                 best = (total, f"step {index} ({name})", terms)
-    return best[0], best[1], best[2], s.kv(prompt + new), [last] * s.layers
+    return best[0], best[1], best[2], [last] * s.layers
 
 
 def predict_overhead(config, **point) -> int:
@@ -370,7 +535,7 @@ def tokens_per_layer(held: list) -> str:
     return " + ".join(f"{length} x {held.count(length)}" for length in sorted(set(held)))
 
 
-def explain(config, **point) -> dict:
+def breakdown(config, **point) -> dict:
     """The peak, where it happens and the terms that make it, for printing."""
     total, where, terms, kv_final, held = peak_phases(config, **point)
     return {"predicted_overhead_bytes": int(total), "kv_final_bytes": kv_final,

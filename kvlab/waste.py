@@ -27,7 +27,7 @@ from .compat import cache_argument
 from .explain import explain, generate_call, random_prompt
 from .meter import MemoryMeter, weight_bytes
 from .models import build_model, kv_bytes_per_token
-from .theory import windows
+from .caches import sliding_windows as windows
 
 OUT = Path(__file__).resolve().parent.parent / "data" / "today"
 COMMON = dict(batch=1, dtype="bfloat16", seed=0)

@@ -263,11 +263,11 @@ def test_the_gpu_sweep_is_valid_and_its_7b_points_are_predicted_as_on_the_twins(
     for preset in ("llama2-7b", "mistral-7b"):
         config = build_config(preset)
         point = dict(batch=8, prompt=300, new=500, dtype="bfloat16")
-        ratio = {runtime: theory.explain(config, runtime=runtime, cache=cache, **point)["overhead_over_kv"]
+        ratio = {runtime: theory.breakdown(config, runtime=runtime, cache=cache, **point)["overhead_over_kv"]
                  for runtime, cache in VARIANTS if runtime != "eager"}
         assert ratio["jit-trace"] >= 1.9 and ratio["convert"] >= ratio["jit-trace"], ratio
         # export: its buffers (prompt + new - 1 tokens) plus the prompt's step (Mistral's MLP is 3.5x wider)
-        exported = theory.explain(config, runtime="export", cache="static", **point)
+        exported = theory.breakdown(config, runtime="export", cache="static", **point)
         buffers = exported["terms_bytes"]["static cache buffers"]
         assert buffers == exported["kv_final_bytes"] * 799 // 800 and exported["peak_at"] == "step 0 (mlp)"
         assert ratio["export"] < ratio["jit-trace"] - 0.7, ratio

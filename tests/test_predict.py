@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+import kvlab.configs
 import kvlab.lab.predict
 import kvlab.models
 from kvlab import theory
@@ -104,7 +105,7 @@ def test_bad_memory_size():
 def test_a_hub_id_without_network_or_local_copy(monkeypatch):
     monkeypatch.setattr("kvlab.configs.hub_reachable", lambda: False)
     with pytest.raises(ValueError, match="cannot be downloaded here .*toy, tinyllama-1.1b"):
-        kvlab.models.load_config("nobody/no-such-model")
+        kvlab.configs.load_config("nobody/no-such-model")
 
 
 # -- refusing points that cannot fit ---------------------------------------------------------------

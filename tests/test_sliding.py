@@ -17,7 +17,7 @@ from kvlab.caches import cache_bytes
 from kvlab.lab.point import run_point
 from kvlab.releases import INSTALLED
 from kvlab.lab.reference import measure_references
-from kvlab.caches import make_cache
+from kvlab.caches import make_cache, sliding_windows
 from kvlab.loops import generate
 from kvlab.configs import build_config
 from kvlab.models import assert_varied, build_model, kv_bytes_per_token
@@ -40,14 +40,14 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 def test_presets_keep_the_public_layouts_and_their_twins_scale_the_widths():
     mistral, gemma, oss, qwen = (build_config(name) for name in ("mistral-7b-v0.1", "gemma-3-4b", "gpt-oss-20b",
                                                                  "qwen3-8b"))
-    assert theory.windows(mistral) == [4096] * 32
-    assert theory.windows(gemma) == ([1024] * 5 + [None]) * 5 + [1024] * 4  # 5 sliding, then 1 full; 34 layers
-    assert theory.windows(oss) == [128, None] * 12 and oss.num_local_experts == 32
-    assert theory.windows(qwen) == [None] * 36
+    assert sliding_windows(mistral) == [4096] * 32
+    assert sliding_windows(gemma) == ([1024] * 5 + [None]) * 5 + [1024] * 4  # 5 sliding, then 1 full; 34 layers
+    assert sliding_windows(oss) == [128, None] * 12 and oss.num_local_experts == 32
+    assert sliding_windows(qwen) == [None] * 36
     for name in ("mistral-7b-v0.1", "gemma-3-4b", "qwen3-8b"):  # every KV byte scales by 1/32
         full, twin = build_config(name), build_config(f"{name}-twin")
         assert kv_bytes_per_token(twin, 1, "bfloat16") * 32 == kv_bytes_per_token(full, 1, "bfloat16")
-        assert theory.windows(twin) == theory.windows(full)
+        assert sliding_windows(twin) == sliding_windows(full)
     assert build_config("gpt-oss-20b-twin").hidden_size == 96  # grouped_mm's 16-byte rows (see TWIN_EXCEPTIONS)
 
 
@@ -67,7 +67,7 @@ def test_a_sliding_layer_keeps_the_prefill_buffer_until_the_first_decode_step():
     for new, held in ((1, prompt), (2, WINDOW), (30, WINDOW)):  # storages: P after the prefill, then the window
         kv = generate(model, ids, new, cache="dynamic", loop="v5").cache
         assert cache_bytes(kv) == held * token, new
-        assert theory.explain(model.config, cache="dynamic", loop="v5", batch=1, prompt=prompt, new=new)[
+        assert theory.breakdown(model.config, cache="dynamic", loop="v5", batch=1, prompt=prompt, new=new)[
             "cache_tokens_per_layer"] == f"{held} x 32"
     v440 = generate(model, ids, 30, cache="dynamic", loop="v4.40").cache  # 4.40.1's SDPA path grew it in full
     assert cache_bytes(v440) == (prompt + 29) * token
@@ -104,7 +104,7 @@ def _theory_peak(preset, overrides, where, **point):
     point = dict(point, num_beams=3)
     record = run_point(preset=preset, overrides=overrides, device="cpu", timing=False, **point)
     assert abs(record["prediction_error"]) <= TOLERANCE, record["prediction_error"]
-    assert theory.explain(build_config(preset, overrides), **point)["peak_at"] == where
+    assert theory.breakdown(build_config(preset, overrides), **point)["peak_at"] == where
 
 
 # A prompt far past the window: 5.x builds the sliding mask (three prompt x prompt bools, more with more rows) before
@@ -185,14 +185,14 @@ def test_prealloc_holds_a_window_buffer_per_sliding_layer_as_theory_says():
     model = build_model("gemma-3-4b-twin", [f"sliding_window={WINDOW}"])
     layers = model.config.num_hidden_layers
     token = kv_bytes_per_token(model.config, 1, "float32") // layers  # one token of one layer
-    full = theory.windows(model.config).count(None)
+    full = sliding_windows(model.config).count(None)
     for prompt in WINDOW_PROMPTS:
         ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
         kv = generate(model, ids, 2, cache="prealloc", loop="v5", cache_options=dict(block_tokens=BLOCK)).cache
         full_slots = -(-(prompt + 1) // BLOCK) * BLOCK  # a full layer grows in blocks
         held = (WINDOW - 1 + BLOCK) * (layers - full) + full_slots * full
         assert cache_bytes(kv) == held * token, prompt
-        assert theory.explain(model.config, cache="prealloc", loop="v5", batch=1, prompt=prompt, new=2,
+        assert theory.breakdown(model.config, cache="prealloc", loop="v5", batch=1, prompt=prompt, new=2,
                               block_tokens=BLOCK)["cache_tokens_per_layer"] == " + ".join(
             f"{n} x {c}" for n, c in sorted({WINDOW - 1 + BLOCK: layers - full, full_slots: full}.items()))
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 
 from kvlab import theory
-from kvlab.caches import CACHES, KVCache, TupleCache, cache_tensors, make_cache
+from kvlab.caches import CACHES, KVCache, TupleCache, cache_tensors, make_cache, sliding_windows
 from kvlab.compat import cache_argument
 from kvlab.schema import DESIGNS
 from kvlab.lab.point import measure, run_point
 from kvlab.meter import MemoryMeter
 from kvlab.configs import build_config
-from kvlab.models import build_model, kv_bytes_per_token
+from kvlab.models import build_model, final_kv_bytes, kv_bytes_per_token
 
 CACHE_DOMINATED = dict(batch=4, prompt=64, new=128, timing=False)  # batch 8 gives the same ratios, to 4 digits
 GREEDY_TOLERANCE = 0.001  # the README's claim: theory within 0.1 % of the meter in fp32 ...
@@ -158,7 +158,7 @@ def test_improvement_factors_bracket_the_measured_ratio(cache_dominated, toy):
 def test_the_terms_theory_names_are_what_the_meter_labels_at_the_peak(toy):
     point = dict(cache="tuple", loop="v4.40", batch=4, prompt=32, new=64)
     record, report = measure(toy, timing=False, **point)
-    explained = theory.explain(toy.config, **point)
+    explained = theory.breakdown(toy.config, **point)
     terms = explained["terms_bytes"]
     assert explained["peak_at"] == "step 63 (mlp)"  # the last step, both tuples complete
     # The meter labels storages as the decode loop names them: both tuples are cache at the peak.
@@ -228,7 +228,7 @@ def test_theory_walks_each_layer_as_the_stored_cache_growth():
     for (preset, overrides), rows in table.groupby(["preset", "overrides"]):
         config = build_config(preset, overrides.split())
         token = kv_bytes_per_token(config, 1, "bfloat16") // config.num_hidden_layers  # one layer's, keys and values
-        layers, prompt = theory.Layers(theory.windows(config)), rows["tokens"].min()
+        layers, prompt = theory.Layers(sliding_windows(config)), rows["tokens"].min()
         stored = dict(zip(rows["forward"], rows["cache_storage_bytes"]))
         for forward in range(max(stored) + 1):
             layers.update(prompt if forward == 0 else 1)
@@ -253,3 +253,21 @@ def test_theory_predicts_every_stored_kvlab_point_within_the_readmes_claim():
             errors[path.parent.name, index] = row["overhead_bytes"] / predicted - 1
     worst = max(errors.items(), key=lambda item: abs(item[1]))
     assert len(errors) == 77 and abs(worst[1]) <= 0.0008, worst
+
+
+def test_every_stored_record_divides_by_the_final_kv_of_models():
+    """The final KV that point and reference records store (and overhead_over_kv divides by) is
+    models.final_kv_bytes at prompt + new + restart_new tokens, sliding layers included."""
+    checked = 0
+    for path in sorted(TODAY.parent.glob("*/results.csv")):
+        table = pd.read_csv(path)
+        if "kv_final_bytes" not in table:
+            continue
+        for _, row in table[table["kv_final_bytes"].notna()].iterrows():
+            overrides = row["overrides"] if pd.notna(row["overrides"]) else None
+            tokens = int(row["prompt"]) + int(row["new"]) + int(row.get("restart_new", 0) or 0)
+            expected = final_kv_bytes(build_config(row["preset"], overrides), int(row["batch"] * row["num_beams"]),
+                                      tokens, row["dtype"])
+            assert row["kv_final_bytes"] == expected, (path.parent.name, row["preset"], row["kv_final_bytes"])
+            checked += 1
+    assert checked == 81  # every stored record (kvlab and reference kinds)

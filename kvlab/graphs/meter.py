@@ -14,19 +14,18 @@ import itertools
 import torch
 from torch.profiler import record_function
 
-from ..meter import MemoryMeter, MemoryReport, StepMemory, weight_bytes
+from ..meter import MemoryMeter, MemoryReport, Meter, StepMemory, weight_bytes
 from ..profiler import ProfiledAllocations
 
 STEP_MARK = "kvlab.step"
 
 
-class ProfilerMeter(ProfiledAllocations):
+class ProfilerMeter(ProfiledAllocations, Meter):
     """`with ProfilerMeter(model) as meter: ...; meter.step() ...` then `meter.report()` (CPU only)."""
 
     def __init__(self, model: torch.nn.Module | None = None):
         super().__init__(mark=STEP_MARK)
         self.weights = weight_bytes(model) if model is not None else 0
-        self._report: MemoryReport | None = None
 
     def step(self):
         """Close one decoding step: a marker in the profile (the numbers are read at the end)."""
@@ -47,11 +46,6 @@ class ProfilerMeter(ProfiledAllocations):
         self._report = MemoryReport("cpu", "profiler", self.weights, self.weights + self.peak_bytes, None,
                                     timeline, {"weights": self.weights})
         return False
-
-    def report(self) -> MemoryReport:
-        if self._report is None:
-            raise RuntimeError("the meter's report is ready once its `with` block has ended")
-        return self._report
 
 
 def graph_meter(device: str, model=None):

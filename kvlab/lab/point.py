@@ -15,12 +15,12 @@ from ..caches import KVCache, num_layers
 from ..configs import load_config
 from ..loops import Sampling, generate
 from ..meter import MemoryMeter
-from ..models import build_model, kv_bytes_per_token
+from ..models import build_model, final_kv_bytes, random_prompt
 from ..schema import RECORD_FIELDS, RECORD_PARAMETERS, REFERENCES, beams
 from .params import normalize
 from .predict import check_fits
 from .provenance import provenance
-from .reference import REFERENCE_KEYS, measure_reference
+from .reference import REFERENCE_KEYS, measure_references
 
 
 def run_point(model=None, **params) -> dict:
@@ -37,20 +37,19 @@ def measure(model=None, **params):
         check_fits(p, model if p["kind"] == "kvlab" else None)
     if p["kind"] == "reference":  # the release's own generate() in a subprocess (kvlab.lab.reference), the same meter
         version, implementation = REFERENCES[(p["cache"], p["loop"])]
-        real = measure_reference(version, cache_implementation=implementation, **{key: p[key] for key in REFERENCE_KEYS})
+        point = dict({key: p[key] for key in REFERENCE_KEYS}, cache_implementation=implementation)
+        real = measure_references(version, [point])[0]
         # Provenance of this process, with the versions the subprocess really ran.
         origin = dict(provenance(p["device"]), transformers_version=real["transformers_version"],
                       torch_version=real["torch_version"])
         return _record(p, load_config(p["preset"], p["overrides"]), real, None, origin), None
     if model is None:
         model = build_model(p["preset"], p["overrides"], p["device"], p["dtype"], p["seed"])
-    # Seeded token ids drawn on the CPU (the same on every device); on meta, shapes only, so that counting a
-    # point far beyond this machine's memory allocates nothing real.
+    # On meta, shapes only, so that counting a point far beyond this machine's memory allocates nothing real.
     if torch.device(p["device"]).type == "meta":
         prompt = torch.empty((p["batch"], p["prompt"]), dtype=torch.long, device="meta")
     else:
-        prompt = torch.randint(0, model.config.vocab_size, (p["batch"], p["prompt"]),
-                               generator=torch.Generator().manual_seed(p["seed"])).to(p["device"])
+        prompt = random_prompt(model.config.vocab_size, p["batch"], p["prompt"], p["seed"]).to(p["device"])
     options = dict(cache=p["cache"], loop=p["loop"], strategy=p["strategy"], num_beams=p["num_beams"],
                    sampling=Sampling(temperature=0.7, top_k=50, top_p=0.9, seed=p["seed"]),
                    cache_options=dict(chunk_limit=p["chunk_limit"], block_tokens=p["block_tokens"],
@@ -73,8 +72,8 @@ def measure(model=None, **params):
     if p["timing"]:
         # The live-storage counter and the profiler run Python at every op and slow designs unequally: time a
         # run without them. The CUDA allocator's counters cost nothing: there the measured run is the timed one.
-        seconds = metered_seconds if report.method == "cuda-allocator" else _decode(model, prompt, p, options, None,
-                                                                                      graphs)
+        seconds = (metered_seconds if report.method == "cuda-allocator"
+                   else _decode(model, prompt, p, options, None, graphs))
     at_peak = report.at_peak if p["track_storages"] else {}
     measured = dict(meter=report.method, overhead_bytes=report.overhead_bytes,
                     **{key: getattr(report, key) for key in ("baseline_bytes", "peak_bytes", "reserved_peak_bytes",
@@ -86,7 +85,7 @@ def measure(model=None, **params):
 
 def _record(p: dict, config, measured: dict, seconds: float | None, origin: dict) -> dict:
     """The flat record of a measured point: its parameters, what the meter saw, KV, theory, speed, provenance."""
-    kv_final = kv_bytes_per_token(config, p["batch"] * beams(p), p["dtype"]) * (p["prompt"] + p["new"] + p["restart_new"])
+    kv_final = final_kv_bytes(config, p["batch"] * beams(p), p["prompt"] + p["new"] + p["restart_new"], p["dtype"])
     predicted = theory.predict_overhead(config, **{k: p[k] for k in theory.POINT_KEYS})
     overhead = measured["overhead_bytes"]
     values = dict(measured, **origin, kv_final_bytes=kv_final, overhead_over_kv=round(overhead / kv_final, 4),

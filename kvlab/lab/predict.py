@@ -120,7 +120,7 @@ def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: boo
     weights = model_weight_bytes(config, p["dtype"])
     rows = []
     for cache, loop in designs:
-        row = dict(cache=cache, loop=loop, **theory.explain(config, **point_of(p, cache=cache, loop=loop)))
+        row = dict(cache=cache, loop=loop, **theory.breakdown(config, **point_of(p, cache=cache, loop=loop)))
         row["peak_bytes"] = weights + row["predicted_overhead_bytes"]
         if memory is not None:
             row["fits"] = row["peak_bytes"] <= memory

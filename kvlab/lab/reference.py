@@ -3,8 +3,9 @@
 
 An old release cannot share transformers 5's process: each is installed into its own folder (`pip --target`,
 no dependencies resolved, with the libraries it was released with). Every release, the installed 5.x too, runs
-in a fresh process (its folder first on PYTHONPATH) that imports only `kvlab.meter` (plain torch), builds the
-preset with that release's own classes and prints JSON records.
+in a fresh process (its folder first on PYTHONPATH) that imports only `kvlab.meter` (plain torch) and
+`kvlab.models` (for the prompt; transformers' Auto classes at its top), builds the preset with that release's own
+classes and prints JSON records.
 """
 
 from __future__ import annotations
@@ -49,17 +50,12 @@ def showcase_table(results):
                          "logits share of the peak": ours["logits_at_peak_bytes"] / ours["overhead_bytes"]}).round(4)
 
 
-def measure_reference(version: str = "4.40.1", **point) -> dict:
-    """Run release `version`'s own `generate()` at one point (REFERENCE_KEYS and cache_implementation, the rest
-    kvlab.lab.point's defaults) in a subprocess; return its measured record."""
-    return measure_references(version, [point])[0]
-
-
 def measure_references(version: str, points: list[dict]) -> list[dict]:
-    """Several points (dicts of `measure_reference`'s keywords) in one subprocess: the release is imported
+    """Run release `version`'s own `generate()` at each point (a dict of REFERENCE_KEYS and cache_implementation,
+    the rest kvlab.lab.point's defaults) in one subprocess; return their measured records. The release is imported
     once, and each point still builds its own model and prompt."""
     from ..loops import check_choice
-    from ..models import attention_of, kv_bytes_per_token, parse_dtype, resolve_device
+    from ..models import attention_of, final_kv_bytes, parse_dtype, resolve_device
     from ..configs import build_config, parse_overrides
     from ..schema import DEFAULTS, beams  # here, not above: the worker's process imports this module under old releases
     defaults = dict({key: DEFAULTS[key] for key in REFERENCE_KEYS}, cache_implementation=None)
@@ -84,12 +80,13 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
             values = release_values(config)
         p["overrides"] = ",".join(f"{k}={v}" for k, v in parse_overrides(p["overrides"]).items())  # as kvlab's records
         p["num_beams"] = beams(p)
-        p["kv_final_bytes"] = (kv_bytes_per_token(config, p["batch"] * p["num_beams"], p["dtype"])
-                               * (p["prompt"] + p["new"] + p["restart_new"]))
+        p["kv_final_bytes"] = final_kv_bytes(config, p["batch"] * p["num_beams"],
+                                             p["prompt"] + p["new"] + p["restart_new"], p["dtype"])
         specs.append(dict(p, model_type=config.model_type, config=values, attention=attention_of(config)))
     target = install_reference(version)
     path = [str(ROOT)] if target is None else [str(target), str(ROOT)]
-    result = subprocess.run([sys.executable, "-m", "kvlab.lab.reference", json.dumps(dict(version=version, points=specs))],
+    job = json.dumps(dict(version=version, points=specs))
+    result = subprocess.run([sys.executable, "-m", "kvlab.lab.reference", job],
                             env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)), capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"transformers {version} run failed:\n{result.stderr[-3000:]}")
@@ -130,6 +127,7 @@ def _measure_point(spec: dict) -> dict:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from ..meter import MemoryMeter
+    from ..models import random_prompt  # (that module imports nothing a 4.x release lacks at its top)
 
     before_5 = int(transformers.__version__.split(".")[0]) < 5
     dtype = getattr(torch, {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(spec["dtype"], spec["dtype"]))
@@ -142,9 +140,8 @@ def _measure_point(spec: dict) -> dict:
         model = AutoModelForCausalLM.from_config(config, **{"torch_dtype" if before_5 else "dtype": dtype}).eval()
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    # As kvlab.lab.point.measure draws the prompt; the prompt and its mask exist before the meter starts.
-    generator = torch.Generator().manual_seed(spec["seed"])
-    ids = torch.randint(0, config.vocab_size, (spec["batch"], spec["prompt"]), generator=generator).to(spec["device"])
+    # The prompt kvlab.lab.point.measure draws; the prompt and its mask exist before the meter starts.
+    ids = random_prompt(config.vocab_size, spec["batch"], spec["prompt"], spec["seed"]).to(spec["device"])
     mask = torch.ones_like(ids)
     options = dict(max_new_tokens=spec["new"], min_new_tokens=spec["new"], do_sample=False,
                    num_beams=spec["num_beams"], num_return_sequences=1, pad_token_id=0)
@@ -167,9 +164,9 @@ def _measure_point(spec: dict) -> dict:
     if out.shape != (spec["batch"], spec["prompt"] + spec["new"] + spec["restart_new"]):
         raise RuntimeError(f"generate() returned shape {tuple(out.shape)}, not (batch, prompt + new)")
     report, tokens = meter.report(), out[:, spec["prompt"]:].tolist()
-    return dict({k: v for k, v in spec.items() if k not in ("model_type", "config", "attention")}, baseline_bytes=report.baseline_bytes,
-                peak_bytes=report.peak_bytes, overhead_bytes=report.overhead_bytes, meter=report.method,
-                weights_sha256=weights_digest(model),
+    return dict({k: v for k, v in spec.items() if k not in ("model_type", "config", "attention")},
+                baseline_bytes=report.baseline_bytes, peak_bytes=report.peak_bytes,
+                overhead_bytes=report.overhead_bytes, meter=report.method, weights_sha256=weights_digest(model),
                 tokens_sha256=hashlib.sha256(json.dumps(tokens).encode()).hexdigest(), tokens=tokens)
 
 
