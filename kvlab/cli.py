@@ -102,7 +102,7 @@ def cmd_predict(args) -> None:
 
 
 def cmd_explain(args) -> None:
-    options = {key: getattr(args, key) for key in (*EXPLAIN_DEFAULTS, "engine", "step")}
+    options = {key: getattr(args, key) for key in (*EXPLAIN_DEFAULTS, "generate_of", "step")}
     print(explain_point(overrides=args.override or None, **options).format())
 
 
@@ -261,9 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --memory: the most new tokens each design fits (up to the model's context)")
     predict.add_argument("--json", action="store_true", help="print the prediction, term by term, as JSON (bytes)")
 
-    explain.add_argument("--engine", default="kvlab", help="kvlab (its loop, with --cache and --loop), installed "
-                         "(this transformers' own generate()), 4.40.1 or 4.42.4 (that release's own, in its folder) "
-                         "(default: kvlab)")
+    explain.add_argument("--generate-of", default="kvlab", help="whose generate() runs: kvlab (its loop, with --cache "
+                         "and --loop), installed (this transformers' own), 4.40.1 or 4.42.4 (that release's own, in "
+                         "its folder) (default: kvlab)")
     explain.add_argument("--step", type=int, default=None, metavar="N", help="the peak within forward N (0: the "
                          "prompt's) instead of the whole run's (default: the whole run)")
 
