@@ -174,12 +174,12 @@ def cmd_waste(args) -> None:
 
 
 def _waste_arguments(parser: argparse.ArgumentParser) -> None:
-    from .waste import POINTS
     parser.description = ("Measure where the peak of transformers' own generate() goes (kvlab.waste): each point's "
                           "rows in OUT/waste.csv (replacing its stored ones), or `growth`: the cache against "
                           "generated tokens in OUT/cache_growth.csv; each run logged in OUT/provenance.json.")
-    parser.add_argument("names", nargs="*", metavar="name", help=f"points, from: {', '.join(POINTS)} (default: all); "
-                        "or growth alone")
+    # The points are named when checked, not here: kvlab.waste imports the whole lesson, too much for every --help.
+    parser.add_argument("names", nargs="*", metavar="name", help="points of kvlab.waste.POINTS (default: all; "
+                        "an unknown name is refused with the list), or growth alone")
     parser.add_argument("--out", default=str(Path("data") / "today"),
                         help="folder of the tables, relative to the current directory (default: data/today)")
 

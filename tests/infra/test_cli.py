@@ -131,3 +131,24 @@ def test_a_file_is_a_path_or_a_shipped_name_with_one_error_wording(tmp_path, mod
         find("nowhere")
     assert str(error.value).startswith(f"{what} file 'nowhere' not found; give a path or one of: ")
     assert shipped in str(error.value) and len(str(error.value).splitlines()) == 1
+
+
+def test_waste_stores_a_point_under_the_folder_given(tmp_path, monkeypatch):
+    """`kvlab waste NAME --out DIR`: the point's rows in DIR/waste.csv (a rerun replaces them, the other points'
+    rows kept), the run logged in DIR/provenance.json with its command; a toy point stands in for the 7B ones."""
+    import pandas as pd
+
+    from kvlab import waste
+    from kvlab.cli import main
+
+    toy = dict(preset="toy", overrides={}, prompt=16, new=6, generate={}, fix=["prealloc"])
+    monkeypatch.setitem(waste.POINTS, "toy-greedy", toy)
+    (tmp_path / "waste.csv").write_text("point,kind,term,bytes\n7b-greedy,check,peak,1\ntoy-greedy,check,peak,1\n")
+    main(["waste", "toy-greedy", "--out", str(tmp_path)])
+    table = pd.read_csv(tmp_path / "waste.csv", keep_default_na=False)
+    assert list(table.loc[table["point"] == "7b-greedy", "bytes"]) == [1]  # another point's rows stay
+    rows = table[table["point"] == "toy-greedy"]
+    peak = rows.loc[rows["kind"] == "check", "bytes"].item()
+    assert peak > 1 and rows.loc[rows["kind"].isin(["baseline", "term"]), "bytes"].sum() == pytest.approx(peak, 1e-3)
+    runs = json.loads((tmp_path / "provenance.json").read_text())["runs"]
+    assert [run["command"] for run in runs] == [f"python -m kvlab waste toy-greedy --out {tmp_path}"]
