@@ -9,11 +9,10 @@ import torch
 
 from kvlab import encdec, models
 from kvlab.configs import build_config
-from kvlab.models import assert_varied
-from kvlab.encdec.reusable_cache import (ReusableStaticCache, longer_cross_attention_cache,
-                                         static_cache_at_smaller_batch)
+from kvlab.encdec.reusable_cache import ReusableStaticCache, longer_cross_attention_cache, static_cache_at_smaller_batch
 from kvlab.encdec.serve import MODES, count_graphs, serve
 from kvlab.meter import MemoryMeter
+from kvlab.models import assert_varied
 from kvlab.profiler import ProfiledAllocations
 
 SMALL = {
