@@ -64,7 +64,7 @@ def serve(model, requests, mode: str, new_tokens: int) -> list[dict]:
     rows = []
     for index, request in enumerate(requests):
         held = sum(t.nbytes for t in reused.buffers()) if reused else 0
-        gc.collect()  # a collection inside the meter would free earlier requests' garbage and read as a dip
+        gc.collect()  # earlier requests' garbage freed inside the meter would lower the CUDA allocator's count
         with torch.no_grad(), MemoryMeter(model.device) as meter:
             if mode.startswith("reused") and reused is None:
                 reused = ReusableStaticCache(model.config, max_batch, new_tokens, max_encoder, device=model.device,
