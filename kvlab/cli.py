@@ -1,7 +1,7 @@
-"""Command line: `python -m kvlab {measure,compare,predict,explain,sweep,stream}`. Every error is one line, `kvlab VERB:
+"""Command line: `python -m kvlab {measure,compare,predict,explain,sweep,waste}`. Every error is one line, `kvlab VERB:
 error: ...` (argparse's own too), exit status 2 for bad input, before any model is built; so is a point predicted
-not to fit in its device's free memory (unless --force). stream serves encoder-decoders; the others, decoders. A
-sweep (a sweep file and/or --grid items → points → an engine) stops on Ctrl-C or SIGTERM with its rows kept.
+not to fit in its device's free memory (unless --force). Every verb runs decoders (encoder-decoders: notebook 06).
+A sweep (a sweep file and/or --grid items → points → an engine) stops on Ctrl-C or SIGTERM with its rows kept.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ def cmd_predict(args) -> None:
 
 
 def cmd_explain(args) -> None:
-    options = {key: getattr(args, key) for key in (*EXPLAIN_DEFAULTS, "engine", "step")}
+    options = {key: getattr(args, key) for key in (*EXPLAIN_DEFAULTS, "generate_of", "step")}
     print(explain_point(overrides=args.override or None, **options).format())
 
 
@@ -168,34 +168,20 @@ def _sweep(args) -> None:
               engine=args.engine, point_timeout=timeout, **engine_options)
 
 
-def cmd_stream(args) -> None:
-    from .encdec.stream import load_stream, run
-    overrides = ",".join(args.override) if args.override else ("" if args.preset else None)
-    settings = load_stream(args.stream, preset=args.preset, overrides=overrides, modes=args.modes, count=args.count,
-                           device=args.device, compile_backend=args.compile_backend)
-    out = Path(args.out or Path("results") / settings["name"])
-    run(settings, out, command=" ".join(["python -m kvlab", *args.argv]))
-    count, modes = settings["count"], len(settings["modes"])
-    print(f"{out / 'results.csv'}: {count} request{'s' * (count != 1)} x {modes} mode{'s' * (modes != 1)}",
-          file=sys.stderr)
+def cmd_waste(args) -> None:
+    from .lab.waste_table import write_waste
+    write_waste(args.names, args.out, command=" ".join(["python -m kvlab", *args.argv]))
 
 
-def _stream_arguments(parser: argparse.ArgumentParser) -> None:
-    from .encdec import stream
-    from .presets import ENCODER_DECODERS
-    parser.description = stream.__doc__.split("\n\n")[0]
-    file = "(default: the stream file's)"
-    parser.add_argument("stream", help="stream YAML: a path or one of: "
-                        f"{', '.join(sorted(p.stem for p in stream.STREAMS_DIR.glob('*.yaml')))}")
-    parser.add_argument("--preset", default=None, help=f"an encoder-decoder preset ({', '.join(ENCODER_DECODERS)}), "
-                        f"a config.json path or a hub id {file}")
-    parser.add_argument("--override", action="append", default=[], metavar="KEY=VALUE", help="config override, "
-                        "repeatable, e.g. num_layers=2 (default: the stream file's, unless --preset is given)")
-    parser.add_argument("--out", default=None, help="results folder (default: results/<stream name>)")
-    parser.add_argument("--modes", default=None, help=f"comma-separated, from: {', '.join(stream.MODES)} {file}")
-    parser.add_argument("--count", type=int, default=None, metavar="N", help=f"number of requests {file}")
-    parser.add_argument("--device", default=None, help=f"cpu, cuda or auto {file}")
-    parser.add_argument("--compile-backend", default=None, help=f"none, eager, inductor, ... {file}")
+def _waste_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = ("Measure where the peak of transformers' own generate() goes (kvlab.waste): each point's "
+                          "rows in OUT/waste.csv (replacing its stored ones), or `growth`: the cache against "
+                          "generated tokens in OUT/cache_growth.csv; each run logged in OUT/provenance.json.")
+    # The points are named when checked, not here: kvlab.waste imports the whole lesson, too much for every --help.
+    parser.add_argument("names", nargs="*", metavar="name", help="points of kvlab.waste.POINTS (default: all; "
+                        "an unknown name is refused with the list), or growth alone")
+    parser.add_argument("--out", default=str(Path("data") / "today"),
+                        help="folder of the tables, relative to the current directory (default: data/today)")
 
 
 def _sweep_arguments(parser: argparse.ArgumentParser) -> None:
@@ -261,9 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
                          help="with --memory: the most new tokens each design fits (up to the model's context)")
     predict.add_argument("--json", action="store_true", help="print the prediction, term by term, as JSON (bytes)")
 
-    explain.add_argument("--engine", default="kvlab", help="kvlab (its loop, with --cache and --loop), installed "
-                         "(this transformers' own generate()), 4.40.1 or 4.42.4 (that release's own, in its folder) "
-                         "(default: kvlab)")
+    explain.add_argument("--generate-of", default="kvlab", help="whose generate() runs: kvlab (its loop, with --cache "
+                         "and --loop), installed (this transformers' own), 4.40.1 or 4.42.4 (that release's own, in "
+                         "its folder) (default: kvlab)")
     explain.add_argument("--step", type=int, default=None, metavar="N", help="the peak within forward N (0: the "
                          "prompt's) instead of the whole run's (default: the whole run)")
 
@@ -276,9 +262,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     _sweep_arguments(sub.add_parser("sweep", help="run a grid of points with papermill, one fresh kernel each, here "
                                     "or on Ray (--engine local|ray --address ...)"))
-    _stream_arguments(sub.add_parser("stream", help="serve a stream of encoder-decoder requests with each cache design"))
+    _waste_arguments(sub.add_parser("waste", help="the waste in transformers' own generate(): measure points into "
+                                    "data/today (or --out)"))
     commands = dict(measure=cmd_measure, predict=cmd_predict, explain=cmd_explain, compare=cmd_compare, sweep=cmd_sweep,
-                    stream=cmd_stream)
+                    waste=cmd_waste)
     for name, verb in sub.choices.items():
         verb.set_defaults(func=commands[name])
     return parser

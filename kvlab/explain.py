@@ -229,34 +229,34 @@ def _children(obj):
 
 
 def explain_point(preset: str = "toy", overrides=None, batch: int = 2, prompt: int = 16, new: int = 8,
-                  dtype: str = "float32", cache: str = "tuple", loop: str = "v4.40", engine: str = "kvlab",
+                  dtype: str = "float32", cache: str = "tuple", loop: str = "v4.40", generate_of: str = "kvlab",
                   step: int | None = None, seed: int = 0) -> Explanation:
-    """Explain one greedy point: kvlab's loop (engine "kvlab", with `cache` and `loop`), this transformers'
-    own generate() ("installed"), or a release's own ("4.40.1", "4.42.4": in its own process)."""
+    """Explain one greedy point of whose generate() `generate_of` names: kvlab's loop ("kvlab", with `cache` and
+    `loop`), this transformers' own ("installed"), or a release's own ("4.40.1", "4.42.4": in its own process)."""
     from .caches import CACHES
     from .releases import RELEASES, ROOT, install_reference, release_values
     from .loops import LOOPS, check_choice
     from .configs import load_config
     from .models import build_model, parse_dtype
 
-    for kind, value, choices in (("engine", engine, ("kvlab", "installed", *RELEASES)), ("cache", cache, CACHES),
-                                 ("loop", loop, LOOPS)):
+    for kind, value, choices in (("generate_of", generate_of, ("kvlab", "installed", *RELEASES)),
+                                 ("cache", cache, CACHES), ("loop", loop, LOOPS)):
         check_choice(kind, value, choices)
     dtype = str(parse_dtype(dtype)).removeprefix("torch.")
     config = load_config(preset, overrides)  # raises on a bad preset or override before anything is built
-    if engine in RELEASES:
+    if generate_of in RELEASES:
         spec = dict(model_type=config.model_type, config=release_values(config), batch=batch, prompt=prompt,
                     new=new, dtype=dtype, step=step, seed=seed)
-        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(install_reference(engine)), str(ROOT)]))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(install_reference(generate_of)), str(ROOT)]))
         result = subprocess.run([sys.executable, "-m", "kvlab.explain", json.dumps(spec)], env=env,
                                 capture_output=True, text=True, check=False)
         if result.returncode != 0:
-            raise RuntimeError(f"transformers {engine} run failed:\n{result.stderr[-3000:]}")
+            raise RuntimeError(f"transformers {generate_of} run failed:\n{result.stderr[-3000:]}")
         record = json.loads(result.stdout.strip().splitlines()[-1])
         return Explanation(**dict(record, held=[Held(**item) for item in record["held"]]))
     model = build_model(preset, overrides, dtype=dtype, seed=seed)
     ids = random_prompt(config.vocab_size, batch, prompt, seed)
-    if engine == "kvlab":
+    if generate_of == "kvlab":
         from .loops import generate
         return explain(lambda: generate(model, ids, new, cache=cache, loop=loop), model=model, step=step)
     return explain_generate(model, ids, new, step)

@@ -1,9 +1,10 @@
 """The waste that remains in transformers' own generate(): at the peak, every byte above "weights + final cache +
-one step's activations", by what holds it (kvlab.explain), and what a fix measures.
+one step's activations", by what holds it (kvlab.explain), and what a fix measures. This module measures; the
+command line stores (kvlab.lab.waste_table):
 
-    python -m kvlab.waste                  # every point of POINTS: data/today/waste.csv, provenance.json
-    python -m kvlab.waste 7b-greedy        # one point (its rows replace the stored ones)
-    python -m kvlab.waste growth           # the cache against generated tokens: data/today/cache_growth.csv
+    python -m kvlab waste                  # every point of POINTS: data/today/waste.csv, provenance.json
+    python -m kvlab waste 7b-greedy        # one point (its rows replace the stored ones)
+    python -m kvlab waste growth           # the cache against generated tokens: data/today/cache_growth.csv
 
 Each point runs generate() under the meter (its peak, each forward's peak), under `explain` (the storages at the
 peak and their holders), and each fix under the meter. Rows: `baseline` (weights; the final cache from the
@@ -15,11 +16,8 @@ capacity) and `fix` (each fix's peak and what it saves).
 
 from __future__ import annotations
 
-import datetime
 import re
-import sys
 from collections import Counter
-from pathlib import Path
 
 import torch
 
@@ -29,7 +27,6 @@ from .meter import MemoryMeter, weight_bytes
 from .models import build_model, kv_bytes_per_token
 from .caches import sliding_windows as windows
 
-OUT = Path(__file__).resolve().parent.parent / "data" / "today"
 COMMON = dict(batch=1, dtype="bfloat16", seed=0)
 # The 7B shape: the Llama-2-7B twin, prompt 300, 200 new tokens. The long context: Mistral-7B-v0.1 as released
 # (every layer slides, window 4096; the twin divides the widths by 32, not the window; the same config as the
@@ -207,33 +204,6 @@ def fix_beam_prefill_once(model, ids, point) -> int:
 FIXES = {"prealloc": fix_prealloc, "chunked-prefill": fix_chunked_prefill, "beam-prefill-once": fix_beam_prefill_once}
 
 
-def main(names=None) -> None:
-    import pandas as pd
-
-    from .lab.store import append_run
-    torch.set_num_threads(1)
-    started = datetime.datetime.now(datetime.timezone.utc)
-    OUT.mkdir(parents=True, exist_ok=True)
-    if names == ["growth"]:
-        cache_growth(every=8).to_csv(OUT / "cache_growth.csv", index=False)
-        append_run(OUT, "python -m kvlab.waste growth", started, "cpu", results_file="cache_growth.csv",
-                   what="kvlab.waste.cache_growth: the storage under transformers' own DynamicCache after every 8th "
-                        "forward of generate(), bf16, batch 1", **GROWTH)
-        return
-    names = names or list(POINTS)
-    path = OUT / "waste.csv"
-    for name in names:
-        rows = pd.DataFrame(measure_point(name), columns=COLUMNS)
-        kept = pd.read_csv(path, keep_default_na=False) if path.exists() else pd.DataFrame(columns=COLUMNS)
-        table = pd.concat([kept[kept["point"] != name], rows])
-        order = table["point"].map(list(POINTS).index)  # the points in POINTS' order, whichever ran last
-        table.iloc[order.argsort(kind="stable")].to_csv(path, index=False)
-        print(rows[["point", "kind", "term", "bytes", "share_of_peak"]].to_string(index=False), flush=True)
-    append_run(OUT, "python -m kvlab.waste " + " ".join(names), started, "cpu", points=names,
-               what="kvlab.waste: transformers' own generate() under the meter and kvlab.explain, and each fix "
-                    "under the meter; live-storage counter, one thread", results_file="waste.csv")
-
-
 # The cache against generated tokens: a full-attention model beside today's all-sliding (Mistral-7B-v0.1, its
 # window 4096 cut to 512 so that the plateau comes within minutes on a CPU) and hybrid (Gemma-3-4B: 5 sliding
 # layers of window 1024, then 1 full) layouts.
@@ -261,7 +231,3 @@ def cache_growth(presets=GROWTH["presets"], prompt: int = GROWTH["prompt"], new:
                       cache_storage_bytes=storage, full_cache_bytes=token * (prompt + i))
                  for i, (storage, _) in enumerate(sizes) if i % every == 0 or i == len(sizes) - 1]
     return pd.DataFrame(rows)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])

@@ -9,9 +9,11 @@ import torch
 
 from kvlab import encdec, models
 from kvlab.configs import build_config
+from kvlab.encdec.reusable_cache import ReusableStaticCache, longer_cross_attention_cache, static_cache_at_smaller_batch
+from kvlab.encdec.serve import MODES, count_graphs, serve
+from kvlab.meter import MemoryMeter
 from kvlab.models import assert_varied
-from kvlab.encdec.reusable_cache import (ReusableStaticCache, longer_cross_attention_cache,
-                                  static_cache_at_smaller_batch)
+from kvlab.profiler import ProfiledAllocations
 
 SMALL = {
     "t5-small": "num_layers=2,num_decoder_layers=2,d_model=64,d_ff=128,num_heads=4,d_kv=16,vocab_size=500",
@@ -69,7 +71,7 @@ def test_a_degenerate_model_fails_the_variety_check():
 
 def test_loop_equals_generate_with_a_dynamic_cache(model):
     request = encdec.make_request(model, 3, 20, ragged=True)
-    assert torch.equal(encdec.generate(model, request, NEW).tokens, reference(model, request))
+    assert torch.equal(encdec.generate(model, request, NEW).new_tokens, reference(model, request))
 
 
 @pytest.mark.parametrize("shapes", ["exact", "max"])
@@ -83,7 +85,7 @@ def test_reused_cache_gives_the_tokens_of_a_freshly_sized_one(model, shapes):
     for index, (batch, length) in enumerate(REQUESTS):
         request = encdec.make_request(model, batch, length, seed=index, ragged=True)
         fresh = reference(model, request, cache_implementation="static")
-        assert torch.equal(encdec.generate(model, request, NEW, reused).tokens, fresh), (batch, length)
+        assert torch.equal(encdec.generate(model, request, NEW, reused).new_tokens, fresh), (batch, length)
     assert [t.data_ptr() for t in reused.buffers()] == buffers  # the same memory served every request
 
 
@@ -147,25 +149,84 @@ def test_reused_cache_refuses_what_would_be_wrong():
         ReusableStaticCache(whisper, 4, NEW, 48, shapes="max")
 
 
-@pytest.mark.slow  # dynamo traces the decoder 4 times: about 20 s alone, a minute on a busy 2-core machine
+@pytest.mark.slow  # dynamo traces the decoder 7 times: about 30 s alone, a minute on a busy 2-core machine
 def test_compiled_decoder_step_compiles_once_with_max_shapes():
     """dynamo's graph count over a stream of 3 batch sizes and 3 encoder lengths: one graph when every request
     is padded to the maxima; views at each request's own shapes recompile until dynamo marks the sizes dynamic."""
-    from torch._dynamo.utils import counters
     model = models.build_model("t5-small", SMALL["t5-small"])
-    graphs = {}
-    for shapes in ("max", "exact"):
-        torch._dynamo.reset()
-        counters.clear()
-        step = torch.compile(encdec.decoder_step, backend="eager")  # dynamo's guards do not depend on the backend
-        reused = ReusableStaticCache(model.config, 4, NEW, 48, shapes=shapes)
-        per_request = []
-        for index, (batch, length) in enumerate(REQUESTS):
-            request = encdec.make_request(model, batch, length, seed=index)
-            before = counters["stats"]["unique_graphs"]
-            tokens = encdec.generate(model, request, NEW, reused, step=step).tokens
-            assert torch.equal(tokens, reference(model, request))
-            per_request.append(counters["stats"]["unique_graphs"] - before)
-        graphs[shapes] = per_request
-    assert graphs["max"] == [1, 0, 0, 0, 0, 0]
-    assert graphs["exact"][0] == 1 and 1 <= sum(graphs["exact"][1:]) <= 3 and graphs["exact"][-2:] == [0, 0]
+    requests = [encdec.make_request(model, batch, length, seed=index) for index, (batch, length) in enumerate(REQUESTS)]
+    graphs = {mode: count_graphs(model, requests, mode, NEW) for mode in ("reused-max", "reused")}
+    assert graphs["reused-max"] == [1, 0, 0, 0, 0, 0]
+    assert graphs["reused"][0] == 1 and 1 <= sum(graphs["reused"][1:]) <= 3 and graphs["reused"][-2:] == [0, 0]
+
+
+# -- a stream of requests served under the meter (notebook 06, section 4) ---------------------------------------
+# The toy T5's decoder: 2 layers x 4 heads x 16 dims, keys and values, fp32: 1 KiB per position of one row.
+POSITION_BYTES = 2 * 2 * 4 * 16 * 4
+
+
+@pytest.fixture(scope="module")
+def served():
+    model = models.build_model("t5-small", SMALL["t5-small"])
+    requests = [encdec.make_request(model, batch, length, seed=index, ragged=True)
+                for index, (batch, length) in enumerate(REQUESTS[:4])]
+    return model, requests, {mode: serve(model, requests, mode, NEW) for mode in MODES}
+
+
+def test_served_tokens_are_transformers_generate(served):
+    model, requests, rows = served
+    for index, request in enumerate(requests):
+        expected = model.generate(**request.inputs, max_new_tokens=NEW, min_new_tokens=NEW, do_sample=False)[:, 1:]
+        for mode in MODES:
+            assert rows[mode][index]["tokens"] == expected.tolist(), (mode, index)
+
+
+def test_reused_cache_is_allocated_once_at_the_maxima_and_per_call_caches_every_request(served):
+    _, requests, rows = served
+    buffers = 4 * (NEW + 48) * POSITION_BYTES  # batch 4, 48 encoder positions: the largest of REQUESTS
+    for mode in ("reused", "reused-max"):
+        assert [r["new_cache_bytes"] for r in rows[mode]] == [buffers, 0, 0, 0]
+        assert [r["held_bytes"] for r in rows[mode]] == [0, buffers, buffers, buffers]
+    for mode in ("hf-static", "dynamic"):  # self-attention: the start token and every new token but the last
+        own = [request.batch * (NEW + request.encoder_length) * POSITION_BYTES for request in requests]
+        assert [r["new_cache_bytes"] for r in rows[mode]] == [r["cache_bytes"] for r in rows[mode]] == own
+        assert all(r["held_bytes"] == 0 for r in rows[mode])
+    for mode in MODES:
+        assert all(r["cache_bytes"] == r["predicted_cache_bytes"] for r in rows[mode])
+
+
+def test_reused_footprint_exceeds_a_per_call_one_by_at_most_the_buffers(served):
+    """Per call, a request holds its own cache at the decoding peak; reused, the buffers all the time. So the
+    reused footprint is above the per-call one by between (buffers - the request's cache) and the buffers, and
+    the request's own peak (the held buffers left out) is never the higher one. Slack: one 8-byte position counter
+    per layer of the reused cache (StaticLayer.cumulative_length), beside the buffers."""
+    _, requests, rows = served
+    buffers, slack = 4 * (NEW + 48) * POSITION_BYTES, 4 * 8
+    for mode in ("hf-static", "dynamic"):
+        for request, reused, per_call in zip(requests, rows["reused"], rows[mode]):
+            own = request.batch * (NEW + request.encoder_length) * POSITION_BYTES
+            assert buffers - own <= reused["footprint_bytes"] - per_call["footprint_bytes"] <= buffers + slack
+            if reused["request"]:
+                assert reused["peak_bytes"] <= per_call["peak_bytes"]  # equal where the encoder is the peak
+
+
+def test_meter_on_the_decoding_loop_matches_the_profiler():
+    """The meter serve() reads on a CPU, against PyTorch's profiler: the same peak, to the byte."""
+    model = models.build_model("t5-small", SMALL["t5-small"])
+    request = encdec.make_request(model, 3, 20, ragged=True)
+    encoded = encdec.encode(model, request)
+    encdec.generate(model, request, 6, encoder_output=encoded)  # warm-up: first-call allocations of the kernels
+    with MemoryMeter("cpu") as meter:
+        encdec.generate(model, request, 6, encoder_output=encoded)
+    with ProfiledAllocations() as profiled:
+        encdec.generate(model, request, 6, encoder_output=encoded)
+    assert meter.report().peak_bytes == profiled.peak_bytes > 0
+
+
+def test_serve_refuses_what_does_not_apply():
+    whisper = models.build_model("whisper-tiny", SMALL["whisper-tiny"])
+    request = encdec.make_request(whisper, 2, 12)
+    with pytest.raises(ValueError, match="unknown mode 'fast'; choose one of: hf-static"):
+        serve(whisper, [request], "fast", NEW)
+    with pytest.raises(ValueError, match="Whisper's decoder passes no encoder mask"):
+        serve(whisper, [request], "reused-max", NEW)

@@ -95,7 +95,7 @@ def test_release_4_40_1_generate_holds_two_caches():
         install_reference("4.40.1")
     except ReferenceInstallError as error:
         pytest.skip(str(error))
-    explanation = explain_point(engine="4.40.1", preset="toy", batch=BATCH, prompt=PROMPT, new=NEW)
+    explanation = explain_point(generate_of="4.40.1", preset="toy", batch=BATCH, prompt=PROMPT, new=NEW)
     old = held_by(explanation, r"GenerationMixin\._greedy_search: model_kwargs\['past_key_values'\]\[(\d)\]\[(\d)\]")
     new = held_by(explanation, r"LlamaModel\.forward: past_key_values\.(key|value)_cache\[(\d)\]")
     assert sorted(old) == [(str(layer), str(j)) for layer in range(LAYERS) for j in (0, 1)]
@@ -126,8 +126,8 @@ def test_sliding_layer_keeps_the_prefill_buffer_until_the_first_decode_step():
 
 
 def test_bad_choices_fail_before_building_anything():
-    with pytest.raises(ValueError, match="unknown engine 'v9'; choose one of: kvlab, installed, 4.40.1"):
-        explain_point(engine="v9")
+    with pytest.raises(ValueError, match="unknown generate_of 'v9'; choose one of: kvlab, installed, 4.40.1"):
+        explain_point(generate_of="v9")
     with pytest.raises(ValueError, match="step needs the model"):
         explain(lambda: None, step=1)
 
@@ -140,7 +140,7 @@ def test_the_command_line_prints_the_holders_and_refuses_bad_input_in_one_line(c
     assert table.startswith("peak ") and "generate: kv.layers[i].keys" in table
     assert "TupleCache.round_trip: step_cache.layers[i].keys" in table
     with pytest.raises(SystemExit) as exit_:
-        main(["explain", "--engine", "4.41.0"])
+        main(["explain", "--generate-of", "4.41.0"])
     err = capsys.readouterr().err
     assert exit_.value.code == 2 and err.count("\n") == 1 and "choose one of: kvlab, installed, 4.40.1, 4.42.4" in err
 

@@ -57,7 +57,7 @@ def test_retained_prefill_view_is_the_prompt_past_the_window():
 
 
 def test_stored_table_adds_up():
-    path = Path(waste.OUT) / "waste.csv"
+    path = Path(__file__).resolve().parent.parent / "data" / "today" / "waste.csv"  # python -m kvlab waste
     table = pd.read_csv(path, keep_default_na=False)
     for name, rows in table.groupby("point"):
         peak = rows.loc[rows["kind"] == "check", "bytes"].item()

@@ -11,7 +11,6 @@ from transformers import DynamicCache, EncoderDecoderCache, GenerationMixin
 from transformers.modeling_outputs import BaseModelOutput
 
 from ..compat import cache_argument
-from ..loops import Generation  # here `tokens` holds the new tokens only, [batch, new_tokens]
 
 
 def decoder_shape(config) -> tuple[int, int, int]:
@@ -23,6 +22,16 @@ def decoder_shape(config) -> tuple[int, int, int]:
 
 def is_whisper(model_or_config) -> bool:
     return getattr(model_or_config, "config", model_or_config).model_type == "whisper"
+
+
+@dataclass
+class Decoded:
+    """What `generate` returns. Unlike kvlab.loops.Generation's `tokens` (prompt + new), only the new tokens:
+    an encoder-decoder's input is the encoder's, and its decoder starts from one start token."""
+
+    new_tokens: torch.Tensor  # [batch, new tokens], the decoder start token left out
+    cache: object  # the EncoderDecoderCache decoded through
+    seconds: float  # wall time, the encoder included unless its output was handed in
 
 
 @dataclass
@@ -81,7 +90,7 @@ def generate_reference(model, request: Request, new_tokens: int, whole_output: b
     return out if whole_output else out[:, 1:]
 
 
-def generate(model, request: Request, new_tokens: int, cache=None, *, step=None, encoder_output=None) -> Generation:
+def generate(model, request: Request, new_tokens: int, cache=None, *, step=None, encoder_output=None) -> Decoded:
     """Greedy decoding: the encoder once (unless `encoder_output`, (hidden, mask), is given), then `new_tokens`
     decoder steps through one `EncoderDecoderCache` (default: two `DynamicCache`s, as `generate()`), or through
     what `cache.for_request(batch, hidden, mask, new_tokens)` hands out (`ReusableStaticCache`). `step`: the
@@ -104,7 +113,7 @@ def generate(model, request: Request, new_tokens: int, cache=None, *, step=None,
             generated.append(tokens)
             del logits
         out = torch.cat(generated, dim=1)[:request.batch]
-    return Generation(out, cache, time.perf_counter() - started)
+    return Decoded(out, cache, time.perf_counter() - started)
 
 
 def decoder_step(model, tokens, hidden, mask, cache) -> torch.Tensor:

@@ -9,7 +9,8 @@
     reference   the real releases' own generate(), each in its own folder, in a subprocess
     predict     the predicted peak before running, and "does it fit"
     compare     the main job (`make compare`): a shipped sweep, its table and figures
-    cli         `python -m kvlab {measure,predict,compare,sweep,stream}`
+    waste_table kvlab.waste's tables stored in data/today, with their provenance (`python -m kvlab waste`)
+    cli         `python -m kvlab {measure,predict,compare,explain,sweep,waste}`
 
 How sweeps run, resume and fail: README.md, "Sweeps".
 """

@@ -78,7 +78,7 @@ def normalize(**params) -> dict:
     if config.is_encoder_decoder:
         raise ValueError(
             f"{p['preset']} is an encoder-decoder model: measure, predict, compare and sweep run decoders; "
-            "use `python -m kvlab stream`"
+            "notebook 06 serves them (kvlab.encdec)"
         )
     if p["track_storages"] == "auto":
         p["track_storages"] = torch.device(p["device"]).type != "cuda"

@@ -1,4 +1,4 @@
-"""A file named on the command line: a path, or the name of one shipped with kvlab (kvlab/lab/sweeps, streams)."""
+"""A file named on the command line: a path, or the name of one shipped with kvlab (kvlab/lab/sweeps)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ def shipped_or_path(name: str | os.PathLike, folder: Path, what: str) -> Path:
 
 
 def read_yaml(path: Path, what: str):
-    """The content of a sweep or stream file; a folder, or a file that cannot be read or is not YAML, is one
+    """The content of a sweep file; a folder, or a file that cannot be read or is not YAML, is one
     line naming it."""
     if path.is_dir():
         raise ValueError(f"{path} is a folder; give a {what} file (YAML)")

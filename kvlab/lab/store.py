@@ -189,15 +189,15 @@ def done_point_ids(path: str | os.PathLike) -> set[str]:
     return {row["point_id"] for row in rebuild(path) if row["status"] == "ok"}
 
 
-def load_results(path: str | os.PathLike, check: bool = True):
+def load_results(path: str | os.PathLike):
     """A results CSV (or the folder that holds results.csv) as a pandas DataFrame, one row per point; a damaged
-    file is refused, with the command that rebuilds it. `check=False`: any table of rows (a stream's)."""
+    file is refused, with the command that rebuilds it."""
     import pandas as pd
 
     path = Path(path)
     if path.is_dir():
         path = path / "results.csv"
-    if check and (damage := _table_rows(path)[1]):
+    if damage := _table_rows(path)[1]:
         raise ValueError(
             f"{path} is damaged ({damage}); rebuild it from its records: "
             f"python -m kvlab sweep --out {path.parent} --rebuild"

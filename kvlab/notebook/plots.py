@@ -322,7 +322,7 @@ def compare_figure(df: pd.DataFrame):
     return fig
 
 
-# Notebook 06's stream modes (kvlab.encdec.stream.MODES): one colour, marker and dash each, in every figure.
+# Notebook 06's stream modes (kvlab.encdec.serve.MODES): one colour, marker and dash each, in every figure.
 MODE_STYLES = {
     "hf-static": ("tab:red", "o", None),
     "reused": ("tab:blue", "s", (5, 3)),

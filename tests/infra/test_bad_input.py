@@ -25,8 +25,6 @@ def cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["bogus"], "invalid choice: 'bogus'"),
         (["measure", "--batch", "x"], "kvlab measure: error: argument --batch: invalid int value: 'x'"),
         (["predict", "--new"], "argument --new: expected one argument"),
-        (["stream"], "kvlab stream: error: the following arguments are required: stream"),
-        (["stream", "encdec-cpu", "--count", "1.5"], "invalid int value: '1.5'"),
         (["sweep", "--engine"], "kvlab sweep: error: argument --engine: expected one argument"),
         # values
         (["measure", "--cache", "paged"], "tuple, dynamic, list, static, prealloc"),
@@ -38,16 +36,14 @@ def cases(tmp: Path) -> list[tuple[list[str], str]]:
         (["predict", "--memory", "lots"], "GiB, GB, MiB, MB, bytes"),
         # a preset a verb cannot run names the verb that can
         (["measure", "--preset", "t5-small"], "t5-small is an encoder-decoder model: measure, predict, compare and "
-                                              "sweep run decoders; use `python -m kvlab stream`"),
-        (["predict", "--preset", "whisper-tiny"], "use `python -m kvlab stream`"),
-        (["compare", "--preset", "bart-base", "--out", str(tmp / "never")], "use `python -m kvlab stream`"),
-        (["sweep", "--grid", "preset=t5-small", "--dry-run"], "use `python -m kvlab stream`"),
-        (["stream", "encdec-cpu", "--preset", "toy"], "toy is a decoder: stream serves encoder-decoder models"),
+                                              "sweep run decoders; notebook 06 serves them"),
+        (["predict", "--preset", "whisper-tiny"], "notebook 06 serves them"),
+        (["compare", "--preset", "bart-base", "--out", str(tmp / "never")], "notebook 06 serves them"),
+        (["sweep", "--grid", "preset=t5-small", "--dry-run"], "notebook 06 serves them"),
         # local paths, hub ids, configs
         (["measure", "--preset", "./nonexistent/config.json"], f"./nonexistent/config.json: {LOCAL}"),
         (["predict", "--preset", "nonexistent/config.json"], f"nonexistent/config.json: {LOCAL}"),
         (["predict", "--preset", str(tmp / "no" / "such" / "folder")], LOCAL),
-        (["stream", "encdec-cpu", "--preset", "./t5-nowhere"], LOCAL),
         (["predict", "--preset", "nobody/no-such-model"], "not in the local Hugging Face cache"),
         (["measure", "--preset", str(tmp / "rejected" / "config.json")],
          "config.json: transformers refuses this config (Class validation error"),
@@ -58,19 +54,14 @@ def cases(tmp: Path) -> list[tuple[list[str], str]]:
          "refuses the overrides {'tie_word_embeddings': 7}"),
         (["measure", "--override", "rms_norm_eps=abc"], "refuses the overrides {'rms_norm_eps': 'abc'}"),
         (["measure", "--override", "hidden_act=nope"], "transformers cannot build a llama model from this config"),
-        (["stream", "encdec-cpu", "--override", "d_model=-1"], "d_model must be a positive integer, got -1"),
-        (["stream", "encdec-cpu", "--override", "num_layers=0"], "num_layers must be a positive integer, got 0"),
-        # stream files, folders and devices
-        (["stream", "encdec-cpu", "--device", "meta"], "choose one of: cpu, cuda, auto"),
-        (["stream", str(tmp)], "is a folder; give a stream file (YAML)"),
-        (["stream", str(tmp / "torn.yaml")], "torn.yaml is not valid YAML (line 2"),
-        (["stream", str(tmp / "list.yaml")], "a stream file is a mapping of settings"),
-        (["stream", "encdec-cpu", "--out", str(tmp / "torn.json")], "is a file; give a folder for the results"),
-        (["stream", "encdec-cpu", "--out", str(tmp / "torn.json" / "below")], "below: Not a directory"),
-    ] + ([(["stream", "encdec-cpu", "--out", str(tmp / "read-only" / "below")], "below: Permission denied")]
+        # waste: its points, then its folder, both before anything runs
+        (["waste", "7b-nope"], "unknown waste point '7b-nope'; choose from: 7b-greedy"),
+        (["waste", "growth", "7b-greedy"], "growth writes its own table; run it alone"),
+        (["waste", "--out", str(tmp / "torn.json")], "is a file; give a folder for the results"),
+        (["waste", "--out", str(tmp / "torn.json" / "below")], "below: Not a directory"),
+    ] + ([(["waste", "--out", str(tmp / "read-only" / "below")], "below: Permission denied")]
          if os.geteuid() else []) + (  # root writes anywhere
-        [] if torch.cuda.is_available() else [(["measure", "--device", "cuda"], "no CUDA GPU is available"),
-                                              (["stream", "encdec-cpu", "--device", "cuda"], "no CUDA GPU")])
+        [] if torch.cuda.is_available() else [(["measure", "--device", "cuda"], "no CUDA GPU is available")])
 
 
 def write_inputs(tmp: Path) -> None:
@@ -83,8 +74,6 @@ def write_inputs(tmp: Path) -> None:
     (tmp / "rejected" / "config.json").write_text(json.dumps(rejected))
     (tmp / "torn.json").write_text('{"model_type": "llama", "hidden_si')  # cut half-way
     (tmp / "empty").mkdir()
-    (tmp / "torn.yaml").write_text("preset: [t5-small\ncount: 2\n")
-    (tmp / "list.yaml").write_text("- t5-small\n- 2\n")
     (tmp / "read-only").mkdir(mode=0o555)
 
 
@@ -92,7 +81,7 @@ def write_inputs(tmp: Path) -> None:
 # stdout and stderr in files; prints [(exit status, stdout, stderr)] as JSON.
 DRIVER = r"""
 import json, os, runpy, sys, tempfile, traceback
-import kvlab.cli, kvlab.encdec.stream
+import kvlab.cli, kvlab.lab.waste_table
 results = []
 folder = tempfile.mkdtemp()
 for index, argv in enumerate(json.loads(sys.argv[1])):
@@ -122,7 +111,7 @@ print(json.dumps(results))
 """
 
 
-VERBS = ("measure", "predict", "compare", "sweep", "stream")
+VERBS = ("measure", "predict", "compare", "sweep", "waste")
 
 
 @pytest.fixture(scope="session")

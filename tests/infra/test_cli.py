@@ -108,39 +108,17 @@ def test_measure_prints_a_short_table_in_mib(capsys):
     assert len(table.splitlines()) < 16
 
 
-def test_every_verb_takes_the_presets_it_runs_and_names_the_verb_for_the_others():
-    from kvlab.encdec import stream
+def test_every_verb_takes_the_presets_it_runs_and_names_the_lesson_for_the_others():
     from kvlab.lab.params import normalize
     from kvlab.presets import DECODERS, ENCODER_DECODERS
     for preset in DECODERS:  # measure, predict, compare and sweep normalize their points
         assert normalize(preset=preset, device="meta")["preset"] == preset
-        with pytest.raises(ValueError, match=f"^{preset} is a decoder: stream serves encoder-decoder models .*kvlab measure`"):
-            stream.check(dict(stream.DEFAULTS, preset=preset, device="cpu"))
     for preset in ENCODER_DECODERS:
-        assert stream.check(dict(stream.DEFAULTS, preset=preset, modes=["dynamic"], device="cpu"))["preset"] == preset
-        with pytest.raises(ValueError, match=f"^{preset} is an encoder-decoder model: .*`python -m kvlab stream`$"):
+        with pytest.raises(ValueError, match=f"^{preset} is an encoder-decoder model: .*notebook 06 serves them"):
             normalize(preset=preset, device="meta")
 
 
-def test_stream_serves_a_preset_named_on_the_command_line(tmp_path, capsys):
-    """bart-base at small widths, one request, two modes: the bar counts the 2 requests, the summary is singular."""
-    from kvlab.encdec.stream import load_records
-    from kvlab.cli import main
-    small = ("d_model=64,encoder_layers=1,decoder_layers=1,encoder_attention_heads=4,decoder_attention_heads=4,"
-             "encoder_ffn_dim=128,decoder_ffn_dim=128,vocab_size=500")
-    main(["stream", "encdec-cpu", "--preset", "bart-base", "--override", small, "--count", "1", "--modes",
-          "dynamic,reused", "--compile-backend", "none", "--out", str(tmp_path)])
-    err = capsys.readouterr().err
-    assert "2/2" in err and "/4" not in err and "/8" not in err
-    assert err.strip().splitlines()[-1] == f"{tmp_path / 'results.csv'}: 1 request x 2 modes"
-    rows = load_records(tmp_path)
-    assert list(rows["mode"]) == ["dynamic", "reused"] and set(rows["preset"]) == {"bart-base"}
-    assert rows["tokens_match"].all() and set(rows["overrides"]) == {small}
-
-
-@pytest.mark.parametrize("module, function, what, shipped", [("kvlab.lab.grid", "sweep_file", "sweep", "cpu-default"),
-                                                             ("kvlab.encdec.stream", "stream_file", "stream",
-                                                              "encdec-cpu")])
+@pytest.mark.parametrize("module, function, what, shipped", [("kvlab.lab.grid", "sweep_file", "sweep", "cpu-default")])
 def test_a_file_is_a_path_or_a_shipped_name_with_one_error_wording(tmp_path, module, function, what, shipped):
     import importlib
     from pathlib import Path
@@ -153,3 +131,24 @@ def test_a_file_is_a_path_or_a_shipped_name_with_one_error_wording(tmp_path, mod
         find("nowhere")
     assert str(error.value).startswith(f"{what} file 'nowhere' not found; give a path or one of: ")
     assert shipped in str(error.value) and len(str(error.value).splitlines()) == 1
+
+
+def test_waste_stores_a_point_under_the_folder_given(tmp_path, monkeypatch):
+    """`kvlab waste NAME --out DIR`: the point's rows in DIR/waste.csv (a rerun replaces them, the other points'
+    rows kept), the run logged in DIR/provenance.json with its command; a toy point stands in for the 7B ones."""
+    import pandas as pd
+
+    from kvlab import waste
+    from kvlab.cli import main
+
+    toy = dict(preset="toy", overrides={}, prompt=16, new=6, generate={}, fix=["prealloc"])
+    monkeypatch.setitem(waste.POINTS, "toy-greedy", toy)
+    (tmp_path / "waste.csv").write_text("point,kind,term,bytes\n7b-greedy,check,peak,1\ntoy-greedy,check,peak,1\n")
+    main(["waste", "toy-greedy", "--out", str(tmp_path)])
+    table = pd.read_csv(tmp_path / "waste.csv", keep_default_na=False)
+    assert list(table.loc[table["point"] == "7b-greedy", "bytes"]) == [1]  # another point's rows stay
+    rows = table[table["point"] == "toy-greedy"]
+    peak = rows.loc[rows["kind"] == "check", "bytes"].item()
+    assert peak > 1 and rows.loc[rows["kind"].isin(["baseline", "term"]), "bytes"].sum() == pytest.approx(peak, 1e-3)
+    runs = json.loads((tmp_path / "provenance.json").read_text())["runs"]
+    assert [run["command"] for run in runs] == [f"python -m kvlab waste toy-greedy --out {tmp_path}"]
