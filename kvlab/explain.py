@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from .meter import LiveStorageCounter
+from .models import random_prompt
 
 UNREFERENCED = "unreferenced from Python"
 TORCH_DIR = os.path.dirname(torch.__file__)
@@ -234,10 +235,10 @@ def explain_point(preset: str = "toy", overrides=None, batch: int = 2, prompt: i
     """Explain one greedy point of whose generate() `generate_of` names: kvlab's loop ("kvlab", with `cache` and
     `loop`), this transformers' own ("installed"), or a release's own ("4.40.1", "4.42.4": in its own process)."""
     from .caches import CACHES
-    from .releases import RELEASES, ROOT, install_reference, release_values
-    from .loops import LOOPS, check_choice
     from .configs import load_config
+    from .loops import LOOPS, check_choice
     from .models import build_model, parse_dtype
+    from .releases import RELEASES, ROOT, install_reference, release_values
 
     for kind, value, choices in (("generate_of", generate_of, ("kvlab", "installed", *RELEASES)),
                                  ("cache", cache, CACHES), ("loop", loop, LOOPS)):
@@ -260,10 +261,6 @@ def explain_point(preset: str = "toy", overrides=None, batch: int = 2, prompt: i
         from .loops import generate
         return explain(lambda: generate(model, ids, new, cache=cache, loop=loop), model=model, step=step)
     return explain_generate(model, ids, new, step)
-
-
-def random_prompt(vocab_size: int, batch: int, prompt: int, seed: int) -> torch.Tensor:  # as kvlab.lab.point does
-    return torch.randint(0, vocab_size, (batch, prompt), generator=torch.Generator().manual_seed(seed))
 
 
 def explain_generate(model, ids: torch.Tensor, new: int, step: int | None = None, **options) -> Explanation:

@@ -18,14 +18,18 @@ from __future__ import annotations
 
 import re
 from collections import Counter
+from typing import TYPE_CHECKING
 
 import torch
 
+from .caches import sliding_windows
 from .compat import cache_argument
-from .explain import explain, generate_call, random_prompt
+from .explain import explain, generate_call
 from .meter import MemoryMeter, weight_bytes
-from .models import build_model, kv_bytes_per_token
-from .caches import sliding_windows as windows
+from .models import build_model, kv_bytes_per_token, random_prompt
+
+if TYPE_CHECKING:  # pandas is the lab extra's: cache_growth imports it where it builds its table
+    import pandas as pd
 
 COMMON = dict(batch=1, dtype="bfloat16", seed=0)
 # The 7B shape: the Llama-2-7B twin, prompt 300, 200 new tokens. The long context: Mistral-7B-v0.1 as released
@@ -55,12 +59,14 @@ COLUMNS = ["point", "preset", "overrides", "generate", "batch", "prompt", "new",
            "share_of_peak", "peak_forward", "holder", "upstream", "saves_bytes"]
 
 
-def final_cache_bytes(config, batch: int, prompt: int, new: int, dtype: str) -> int:
-    """The cache generate() ends with, from the shapes: prompt + new - 1 tokens per full layer (the last token is
-    never fed back), at most window - 1 per sliding layer (what a later query can see)."""
+def held_cache_bytes(config, batch: int, prompt: int, new: int, dtype: str) -> int:
+    """The cache generate() holds when it returns, from the shapes: prompt + new - 1 tokens per full layer (the last
+    token is never fed back), at most window - 1 per sliding layer (what a later query can see). Not the final KV
+    of kvlab.models.final_kv_bytes, which every overhead / KV divides by: all prompt + new tokens in every layer."""
     tokens = prompt + new - 1
     per_layer = kv_bytes_per_token(config, batch, dtype) // config.num_hidden_layers
-    return sum(per_layer * (tokens if window is None else min(tokens, window - 1)) for window in windows(config))
+    windows = sliding_windows(config)
+    return sum(per_layer * (tokens if window is None else min(tokens, window - 1)) for window in windows)
 
 
 def metered(run, model) -> tuple[int, list[tuple[int, int]]]:
@@ -116,7 +122,7 @@ def measure_point(name: str, point: dict | None = None) -> list[dict]:
         peak, forwards = metered(run, model)
     with torch.inference_mode():
         explanation = explain(run, model=model)
-    final = final_cache_bytes(model.config, COMMON["batch"] * beams, point["prompt"], point["new"], COMMON["dtype"])
+    final = held_cache_bytes(model.config, COMMON["batch"] * beams, point["prompt"], point["new"], COMMON["dtype"])
     parts = split_peak(explanation)
     # At a decode step's peak the rest is one step's activations; at the prompt's, the last forward's rise is.
     step_activations = parts["rest"] if explanation.forward else forwards[-1][1] - forwards[-1][0]
@@ -154,7 +160,7 @@ def measure_point(name: str, point: dict | None = None) -> list[dict]:
         rows.append(("fix", fix, weights + fix_peak, " ".join(FIXES[fix].__doc__.split()), ""))
     if point["generate"].get("cache_implementation") == "static":  # inside the final cache, not added up
         written = point["prompt"] + explanation.forward  # tokens in the cache once the peak's forward has run
-        unwritten = final - final_cache_bytes(model.config, COMMON["batch"] * beams, written, 1, COMMON["dtype"])
+        unwritten = final - held_cache_bytes(model.config, COMMON["batch"] * beams, written, 1, COMMON["dtype"])
         rows.append(("note", "static capacity not yet written at the peak", unwritten,
                      f"after forward {explanation.forward}: {written} of {point['prompt'] + point['new'] - 1} tokens",
                      UPSTREAM["capacity"]))
@@ -212,7 +218,7 @@ GROWTH = dict(presets=["llama2-7b-twin", "mistral-7b-v0.1-twin", "gemma-3-4b-twi
 
 
 def cache_growth(presets=GROWTH["presets"], prompt: int = GROWTH["prompt"], new: int = GROWTH["new"],
-                 every: int = 1, overrides: dict | None = GROWTH["overrides"]) -> "pd.DataFrame":
+                 every: int = 1, overrides: dict | None = GROWTH["overrides"]) -> pd.DataFrame:
     """For each preset (bf16, batch 1; `overrides` maps a preset to its config overrides), the storage of
     transformers' own DynamicCache after each forward of generate() (a view counts its whole storage, as memory
     does): one row per forward (every `every`-th), with the tokens the model has seen by then and what the cache
