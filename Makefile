@@ -44,7 +44,8 @@ $(NEWEST): $(READY) scripts/transformers-release.sh
 	PYTHON=$(BIN)/python scripts/transformers-release.sh newest install
 
 # The token, memory, compat, graph and encoder-decoder tests again, with that release shadowing the pinned one.
-RELEASE_TEST = PYTHON=$(BIN)/python scripts/transformers-release.sh $(1) test -q -n $(WORKERS) --dist loadgroup -m "not slow"
+RELEASE_TEST = PYTHON=$(BIN)/python scripts/transformers-release.sh $(1) test -q -n $(WORKERS) --dist loadgroup \
+	-m "not slow"
 
 test-oldest: $(OLDEST)
 	$(call RELEASE_TEST,oldest)
