@@ -58,10 +58,6 @@ def test_notebook_executes_with_tiny_parameters(path, tmp_path, monkeypatch):
     assert not errors, f"{path.name}: {errors[0].get('ename')}: {errors[0].get('evalue')}"
 
 
-def test_there_are_notebooks():
-    assert NOTEBOOKS, f"no notebooks in {NOTEBOOKS_DIR}"
-
-
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_committed_notebook_is_executed_and_clean(path):
     nb = nbformat.read(path, as_version=4)
