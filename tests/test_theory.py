@@ -237,19 +237,20 @@ def test_theory_walks_each_layer_as_the_stored_cache_growth():
 
 
 def test_theory_predicts_every_stored_kvlab_point_within_the_readmes_claim():
-    """Every kvlab point measured under data/ (CPU, meta, twins, references, graphs) against today's theory."""
+    """Every kvlab point measured under data/ (CPU, meta, twins, references, graphs) against today's theory: the
+    README's claim, within 0.08 % where the graph runtime is an exported program and within 0.03 % elsewhere."""
     counts = ("batch", "prompt", "new", "restart_new", "num_beams", "chunk_limit", "block_tokens")
-    errors = {}
     for path in sorted(TODAY.parent.glob("*/results.csv")):
         table = pd.read_csv(path)
         if "overhead_bytes" not in table:  # data/speed: timings only
             continue
         table = table[(table.get("status", "ok") == "ok") & (table.get("kind", "kvlab") == "kvlab")]
+        assert len(table), f"{path.parent.name}: no measured kvlab point"  # the claim is about every table
         for index, row in table.iterrows():
             point = {key: int(row[key]) if key in counts else row[key]
                      for key in theory.POINT_KEYS if key in row and pd.notna(row[key])}
             overrides = row["overrides"] if pd.notna(row["overrides"]) else None  # as the record keeps them: "k=v,k=v"
             predicted = theory.predict_overhead(build_config(row["preset"], overrides), **point)
-            errors[path.parent.name, index] = row["overhead_bytes"] / predicted - 1
-    worst = max(errors.items(), key=lambda item: abs(item[1]))
-    assert len(errors) == 77 and abs(worst[1]) <= 0.0008, worst
+            error = row["overhead_bytes"] / predicted - 1
+            claim = 0.0008 if row.get("runtime") == "export" else 0.0003
+            assert abs(error) <= claim, (path.parent.name, index, error)
