@@ -35,7 +35,8 @@ def test_every_runtime_decodes_what_generate_does(toy, toy_gqa, prompt, runtime)
     # The decode graph is traced at one cache length and run at every later one; export has one program.
     for model in (toy, toy_gqa):
         expected = reference(model, prompt, 24)
-        assert torch.equal(generate_graph(model, prompt, 24, runtime).tokens, expected), model.config.num_key_value_heads
+        tokens = generate_graph(model, prompt, 24, runtime).tokens
+        assert torch.equal(tokens, expected), model.config.num_key_value_heads
 
 
 @pytest.mark.slow  # beyond the lesson's guarantees: make test-all
@@ -240,8 +241,10 @@ def test_time_variants_keeps_every_repeat_and_its_median(toy, prompt):
 
 @pytest.mark.slow  # the CLI around the runtimes: machinery, for make test-all
 def test_cli_measures_a_runtime_and_refuses_a_design_it_cannot_carry():
-    run = lambda *args: subprocess.run([sys.executable, "-m", "kvlab", "measure", *args], capture_output=True,  # noqa: E731
-                                       text=True, timeout=300)
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "kvlab", "measure", *args], capture_output=True, text=True,
+                              timeout=300)
+
     refused = run("--runtime", "export", "--cache", "dynamic")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
     assert "cannot carry the 'dynamic' cache" in refused.stderr and "Traceback" not in refused.stderr

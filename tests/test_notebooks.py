@@ -90,10 +90,12 @@ def test_readme_links_every_notebook_and_agrees_with_the_repository_url():
     assert linked == {p.name for p in NOTEBOOKS}, (
         f"README links {sorted(linked)}; notebooks/ has {sorted(p.name for p in NOTEBOOKS)}")
     for url in re.findall(r"https://colab\.research\.google\.com/github/[^\s)\"'>]+", readme):
-        assert url == colab.colab_url(url.rsplit("/", 1)[1]), f"README's Colab link {url} is not from kvlab.notebook.colab"
+        assert url == colab.colab_url(url.rsplit("/", 1)[1]), (
+            f"README's Colab link {url} is not from kvlab.notebook.colab")
     # This repository's URL (links to transformers' PRs and issues are sources, not the repository).
     for url in re.findall(r"https://github\.com/[\w.-]+/kvlab\b[\w.-]*", readme):
-        assert url == colab.REPOSITORY, f"README names the repository {url}; kvlab.notebook.colab.REPOSITORY says {colab.REPOSITORY}"
+        assert url == colab.REPOSITORY, (
+            f"README names the repository {url}; kvlab.notebook.colab.REPOSITORY says {colab.REPOSITORY}")
 
 
 def test_colab_url_comes_from_the_repository():
