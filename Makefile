@@ -1,7 +1,7 @@
 # Three commands do everything on a fresh machine with Python >= 3.10:
 #   make compare   the main job: every cache design under every release's loop, on the default device
 #   make test      the lesson's guarantees, what a person runs before a commit (<= 5 min on 2 cores)
-#   make test-all  everything: the machinery in tests/infra, the slow points, transformers 5.17 again (CI)
+#   make test-all  everything: the machinery in tests/infra, the slow points, transformers 5.17 and 5.25 again (CI)
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -10,8 +10,9 @@ LEGACY_4_40 := .legacy-tf/transformers-4.40.1.dist-info
 LEGACY_4_42 := .legacy-tf-4.42/transformers-4.42.4.dist-info
 LEGACY := $(LEGACY_4_40) $(LEGACY_4_42)
 OLDEST := .tf-oldest/.ready
+NEWEST := .tf-newest/.ready
 
-.PHONY: compare test test-all test-oldest lab legacy wheelhouse clean
+.PHONY: compare test test-all test-oldest test-newest lab legacy wheelhouse clean
 
 # The environment, and the notebooks' kernel under its own name, kvlab (kvlab.colab.KERNEL): one named python3
 # would shadow the user's default kernel (the python3 that earlier checkouts registered here is removed).
@@ -34,13 +35,23 @@ $(LEGACY_4_42): $(READY)
 
 legacy: $(LEGACY)
 
-# transformers 5.17, the oldest kvlab supports, in .tf-oldest/ (pins and test subset: the script).
-$(OLDEST): $(READY) scripts/oldest-transformers.sh
-	PYTHON=$(BIN)/python scripts/oldest-transformers.sh install
+# The two ends of the supported range, each in its own folder (pins and test subset: the script):
+# transformers 5.17, the oldest kvlab supports, in .tf-oldest/; 5.25, the newest 5.x, in .tf-newest/.
+$(OLDEST): $(READY) scripts/transformers-release.sh
+	PYTHON=$(BIN)/python scripts/transformers-release.sh oldest install
 
-# The token, memory and compat tests again, with 5.17 shadowing the pinned transformers.
+$(NEWEST): $(READY) scripts/transformers-release.sh
+	PYTHON=$(BIN)/python scripts/transformers-release.sh newest install
+
+# The token, memory, compat, graph and encoder-decoder tests again, with that release shadowing the pinned one.
+RELEASE_TEST = PYTHON=$(BIN)/python scripts/transformers-release.sh $(1) test -q -n $(WORKERS) --dist loadgroup \
+	-m "not slow"
+
 test-oldest: $(OLDEST)
-	PYTHON=$(BIN)/python scripts/oldest-transformers.sh test -q -n $(WORKERS) --dist loadgroup -m "not slow"
+	$(call RELEASE_TEST,oldest)
+
+test-newest: $(NEWEST)
+	$(call RELEASE_TEST,newest)
 
 compare: $(READY)
 	$(BIN)/python -m kvlab compare
@@ -55,16 +66,17 @@ test: $(READY) $(LEGACY)
 	$(BIN)/lint-imports --no-cache
 	$(PYTEST) -m "not slow" --ignore=tests/infra tests
 
-test-all: $(READY) $(LEGACY) $(OLDEST)
+test-all: $(READY) $(LEGACY) $(OLDEST) $(NEWEST)
 	$(PYTEST) tests
-	PYTHON=$(BIN)/python scripts/oldest-transformers.sh test -q -n $(WORKERS) --dist loadgroup -m "not slow"
+	$(call RELEASE_TEST,oldest)
+	$(call RELEASE_TEST,newest)
 
 # JupyterLab on the notebooks, which name the kvlab kernel registered above.
 lab: $(READY)
 	$(BIN)/jupyter lab notebooks/
 
 clean:
-	rm -rf $(VENV) .legacy-tf .legacy-tf-4.42 .tf-oldest results
+	rm -rf $(VENV) .legacy-tf .legacy-tf-4.42 .tf-oldest .tf-newest results
 
 # A folder of wheels for an air-gapped GPU node (papermill stack, kvlab, transformers 4.40.1): docs/offline-gpu.md
 wheelhouse: $(READY)

@@ -93,7 +93,9 @@ def build_model(preset: str = "toy", overrides=None, device: str = "cpu", dtype:
     if is_hub_id(preset):
         online = hub_reachable()
         try:
-            model = model_class(config).from_pretrained(preset, config=config, dtype=torch_dtype,
+            # use_kernels=False: from 5.25 transformers swaps layers for the hub's `kernels` by default (and refuses
+            # without that package); kvlab measures transformers' own layers. 5.17-5.24 take it too (default False).
+            model = model_class(config).from_pretrained(preset, config=config, dtype=torch_dtype, use_kernels=False,
                                                         local_files_only=not online).to(device)
         except OSError:
             raise hub_error(preset, online) from None

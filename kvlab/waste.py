@@ -110,7 +110,7 @@ def split_peak(explanation) -> dict:
     return dict(parts, largest=largest)
 
 
-def measure_point(name: str, point: dict | None = None) -> list[dict]:
+def terms(name: str, point: dict | None = None) -> list[dict]:
     """The rows of one point: POINTS[name], or `point` given in the same form (see the module's docstring)."""
     point = point or POINTS[name]
     model = build_model(point["preset"], point["overrides"], dtype=COMMON["dtype"], seed=COMMON["seed"])
@@ -194,7 +194,7 @@ def fix_chunked_prefill(model, ids, point) -> int:
 
 def fix_beam_prefill_once(model, ids, point) -> int:
     """The prompt's forward at the batch, its cache then repeated for the beams (DynamicCache.batch_repeat_interleave),
-    where generate() runs it at batch x beams: the peak of that prefill (measure_point takes the later forwards'
+    where generate() runs it at batch x beams: the peak of that prefill (terms takes the later forwards'
     peaks from generate()'s own run: the cache they start from is the same)."""
     from transformers import DynamicCache
     beams = point["generate"]["num_beams"]

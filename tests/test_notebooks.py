@@ -58,10 +58,6 @@ def test_notebook_executes_with_tiny_parameters(path, tmp_path, monkeypatch):
     assert not errors, f"{path.name}: {errors[0].get('ename')}: {errors[0].get('evalue')}"
 
 
-def test_there_are_notebooks():
-    assert NOTEBOOKS, f"no notebooks in {NOTEBOOKS_DIR}"
-
-
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
 def test_committed_notebook_is_executed_and_clean(path):
     nb = nbformat.read(path, as_version=4)
@@ -94,10 +90,12 @@ def test_readme_links_every_notebook_and_agrees_with_the_repository_url():
     assert linked == {p.name for p in NOTEBOOKS}, (
         f"README links {sorted(linked)}; notebooks/ has {sorted(p.name for p in NOTEBOOKS)}")
     for url in re.findall(r"https://colab\.research\.google\.com/github/[^\s)\"'>]+", readme):
-        assert url == colab.colab_url(url.rsplit("/", 1)[1]), f"README's Colab link {url} is not from kvlab.notebook.colab"
+        assert url == colab.colab_url(url.rsplit("/", 1)[1]), (
+            f"README's Colab link {url} is not from kvlab.notebook.colab")
     # This repository's URL (links to transformers' PRs and issues are sources, not the repository).
     for url in re.findall(r"https://github\.com/[\w.-]+/kvlab\b[\w.-]*", readme):
-        assert url == colab.REPOSITORY, f"README names the repository {url}; kvlab.notebook.colab.REPOSITORY says {colab.REPOSITORY}"
+        assert url == colab.REPOSITORY, (
+            f"README names the repository {url}; kvlab.notebook.colab.REPOSITORY says {colab.REPOSITORY}")
 
 
 def test_colab_url_comes_from_the_repository():

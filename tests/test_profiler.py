@@ -4,7 +4,6 @@ First the profiler meter on known allocations, then the two meters on decodes of
 then each blind spot of the counter: what it sees against what the profiler sees.
 """
 
-import inspect
 import io
 import threading
 
@@ -12,26 +11,14 @@ import numpy as np
 import pytest
 import torch
 
-import kvlab.loops as decode
 from kvlab.caches import CACHES
+from kvlab.loops import LOOPS, generate
 from kvlab.meter import LiveStorageCounter, MemoryMeter
 from kvlab.profiler import ProfiledAllocations, profiler_peak
 
 F32 = 4
 
-# The loop argument was renamed (pattern in PATTERNS -> loop in LOOPS); test the oldest and the newest either way.
-LOOP_ARG = "loop" if "loop" in inspect.signature(decode.generate).parameters else "pattern"
-ALL_LOOPS = tuple(getattr(decode, "LOOPS", None) or decode.PATTERNS)
-LOOPS = (ALL_LOOPS[0], ALL_LOOPS[-1])
-
-
-@pytest.fixture
-def one_thread():
-    # OpenMP threads spin-wait: on a shared 2-core machine a 2-thread decode runs ~20x slower.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+ENDS = (list(LOOPS)[0], list(LOOPS)[-1])  # the oldest loop and the newest (LOOPS: in release order)
 
 
 def both(fn):
@@ -78,17 +65,16 @@ def test_a_block_from_an_earlier_profile_is_not_freed_twice():
 
 # -- the two meters on decodes ---------------------------------------------------------------------
 
-@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("loop", ENDS)
 @pytest.mark.parametrize("cache", CACHES)
 def test_counter_and_profiler_agree_on_a_decode(toy, cache, loop, one_thread):
     # Measured equal to the byte for every design and loop here (greedy, beam and sample; several shapes):
     # the kernels' own transients (below) never fall on these peaks. 1% leaves room for one that does.
     prompt = torch.randint(0, toy.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    options = {"cache": cache, LOOP_ARG: loop}
     with MemoryMeter("cpu", toy) as meter:
-        decode.generate(toy, prompt, 24, meter=meter, **options)
+        generate(toy, prompt, 24, meter=meter, cache=cache, loop=loop)
     with ProfiledAllocations() as profiled:  # a separate run of the same decode
-        decode.generate(toy, prompt, 24, **options)
+        generate(toy, prompt, 24, cache=cache, loop=loop)
     counted = meter.report().overhead_bytes
     assert counted > 0
     assert abs(profiled.peak_bytes - counted) <= 0.01 * counted, (counted, profiled.peak_bytes)

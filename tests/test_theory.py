@@ -13,11 +13,11 @@ import torch
 from kvlab import theory
 from kvlab.caches import CACHES, KVCache, TupleCache, cache_tensors, make_cache, sliding_windows
 from kvlab.compat import cache_argument
-from kvlab.schema import DESIGNS
+from kvlab.configs import build_config
 from kvlab.lab.point import measure, run_point
 from kvlab.meter import MemoryMeter
-from kvlab.configs import build_config
 from kvlab.models import build_model, final_kv_bytes, kv_bytes_per_token
+from kvlab.schema import DESIGNS
 
 CACHE_DOMINATED = dict(batch=4, prompt=64, new=128, timing=False)  # batch 8 gives the same ratios, to 4 digits
 GREEDY_TOLERANCE = 0.001  # the README's claim: theory within 0.1 % of the meter in fp32 ...
@@ -237,28 +237,29 @@ def test_theory_walks_each_layer_as_the_stored_cache_growth():
 
 
 def test_theory_predicts_every_stored_kvlab_point_within_the_readmes_claim():
-    """Every kvlab point measured under data/ (CPU, meta, twins, references, graphs) against today's theory."""
+    """Every kvlab point measured under data/ (CPU, meta, twins, references, graphs) against today's theory: the
+    README's claim, within 0.08 % where the graph runtime is an exported program and within 0.03 % elsewhere."""
     counts = ("batch", "prompt", "new", "restart_new", "num_beams", "chunk_limit", "block_tokens")
-    errors = {}
     for path in sorted(TODAY.parent.glob("*/results.csv")):
         table = pd.read_csv(path)
         if "overhead_bytes" not in table:  # data/speed: timings only
             continue
         table = table[(table.get("status", "ok") == "ok") & (table.get("kind", "kvlab") == "kvlab")]
+        assert len(table), f"{path.parent.name}: no measured kvlab point"  # the claim is about every table
         for index, row in table.iterrows():
             point = {key: int(row[key]) if key in counts else row[key]
                      for key in theory.POINT_KEYS if key in row and pd.notna(row[key])}
             overrides = row["overrides"] if pd.notna(row["overrides"]) else None  # as the record keeps them: "k=v,k=v"
             predicted = theory.predict_overhead(build_config(row["preset"], overrides), **point)
-            errors[path.parent.name, index] = row["overhead_bytes"] / predicted - 1
-    worst = max(errors.items(), key=lambda item: abs(item[1]))
-    assert len(errors) == 77 and abs(worst[1]) <= 0.0008, worst
+            error = row["overhead_bytes"] / predicted - 1
+            claim = 0.0008 if row.get("runtime") == "export" else 0.0003
+            assert abs(error) <= claim, (path.parent.name, index, error)
 
 
 def test_every_stored_record_divides_by_the_final_kv_of_models():
     """The final KV that point and reference records store (and overhead_over_kv divides by) is
     models.final_kv_bytes at prompt + new + restart_new tokens, sliding layers included."""
-    checked = 0
+    checked = set()
     for path in sorted(TODAY.parent.glob("*/results.csv")):
         table = pd.read_csv(path)
         if "kv_final_bytes" not in table:
@@ -269,5 +270,5 @@ def test_every_stored_record_divides_by_the_final_kv_of_models():
             expected = final_kv_bytes(build_config(row["preset"], overrides), int(row["batch"] * row["num_beams"]),
                                       tokens, row["dtype"])
             assert row["kv_final_bytes"] == expected, (path.parent.name, row["preset"], row["kv_final_bytes"])
-            checked += 1
-    assert checked == 81  # every stored record (kvlab and reference kinds)
+            checked.add(path.parent.name)
+    assert {"cpu", "meta", "twins", "reference"} <= checked  # the tables that store a final KV were read

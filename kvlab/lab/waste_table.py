@@ -52,7 +52,7 @@ def write_waste(names, out, command: str) -> None:
         return
     path = out / "waste.csv"
     for name in names:
-        rows = pd.DataFrame(waste.measure_point(name), columns=waste.COLUMNS)
+        rows = pd.DataFrame(waste.terms(name), columns=waste.COLUMNS)
         kept = pd.read_csv(path, keep_default_na=False) if path.exists() else pd.DataFrame(columns=waste.COLUMNS)
         table = pd.concat([kept[kept["point"] != name], rows])
         order = table["point"].map(list(waste.POINTS).index)  # the points in POINTS' order, whichever ran last

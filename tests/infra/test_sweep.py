@@ -6,6 +6,7 @@ fresh kernel per point, a few seconds each.
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -84,18 +85,35 @@ def test_bad_grid_from_the_command_line(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def listed(listing: str) -> list[tuple]:
+    """(cache, loop, new) of each point a dry run lists (`<id> <preset>_<cache>_<loop>_<strategy>_b.._p.._n<new>_<id>`),
+    after checking that its closing line counts them."""
+    points = [re.fullmatch(r"\w+ [\w.-]+?_(\w+)_(v[\d.]+)_\w+_b\d+_p\d+_n(\d+)_\w+", line)
+              for line in listing.splitlines() if not line.endswith("results.csv")]
+    assert all(points), listing
+    assert f"\n{len(points)} points; " in f"\n{listing}", listing
+    return [(match[1], match[2], int(match[3])) for match in points]
+
+
+def shipped(name: str) -> dict:
+    import yaml
+    return yaml.safe_load((SWEEPS_DIR / f"{name}.yaml").read_text())
+
+
 def test_shipped_sweep_by_name_from_the_cli(tmp_path):
     result = subprocess.run([sys.executable, "-m", "kvlab", "sweep", "cpu-default", "--dry-run"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    assert "8 points" in result.stdout
+    sweep = shipped("cpu-default")  # one point per design the file names, at its size
+    new = sweep["fixed"]["new"]
+    assert sorted(listed(result.stdout)) == sorted((d["cache"], d["loop"], new) for d in sweep["grid"]["design"])
 
 
 def test_command_line_values_win_over_the_file(capsys):
     cli.main(["sweep", "cpu-default", "--grid", "cache=dynamic", "--grid", "new=64", "--dry-run"])
-    listing = capsys.readouterr().out
-    assert "8 points" not in listing and "3 points" in listing  # the dynamic cache's three loops, one size
-    assert "_dynamic_v4.40_" in listing and "_dynamic_v5_" in listing and "_n64_" in listing
+    points = listed(capsys.readouterr().out)
+    loops = {d["loop"] for d in shipped("cpu-default")["grid"]["design"] if d["cache"] == "dynamic"}
+    assert sorted(points) == sorted(("dynamic", loop, 64) for loop in loops)  # each of the file's loops once
 
 
 def test_shipped_sweeps_are_valid():
@@ -159,7 +177,8 @@ def test_out_of_memory_point_is_a_row_and_the_sweep_goes_on(tmp_path):
     assert "can't allocate memory" in failed["error"] and failed["overrides"] == TOO_BIG
     assert (out / failed["notebook"]).exists()  # the executed notebook shows the traceback
     assert measured["overhead_bytes"] > 0 and measured["kv_final_bytes"] > 0
-    assert measured["overhead_over_kv"] == pytest.approx(measured["overhead_bytes"] / measured["kv_final_bytes"], abs=1e-3)
+    ratio = measured["overhead_bytes"] / measured["kv_final_bytes"]
+    assert measured["overhead_over_kv"] == pytest.approx(ratio, abs=1e-3)
     assert measured["device"] == "cpu" and measured["loop"] == "v4.40"
 
     # A rerun retries only the failed point and replaces its row instead of adding one.
