@@ -19,8 +19,14 @@ from __future__ import annotations
 import math
 
 import torch
-from transformers.cache_utils import (Cache, CacheLayerMixin, DynamicLayer, DynamicSlidingWindowLayer, StaticCache,
-                                      get_layer_types_and_kwargs)
+from transformers.cache_utils import (
+    Cache,
+    CacheLayerMixin,
+    DynamicLayer,
+    DynamicSlidingWindowLayer,
+    StaticCache,
+    get_layer_types_and_kwargs,
+)
 
 from .compat import cache_argument
 from .meter import storage_bytes
@@ -174,7 +180,7 @@ class PreallocLayer(_OwnLayer):
 
     def _views(self) -> None:
         if self.key_buffer is not None:
-            self.keys, self.values = self.key_buffer[:, :, :self.length], self.value_buffer[:, :, :self.length]
+            self.keys, self.values = self.key_buffer[:, :, : self.length], self.value_buffer[:, :, : self.length]
 
     def _each(self, fn) -> None:
         if self.key_buffer is not None:
@@ -216,21 +222,21 @@ class WindowLayer(PreallocLayer):
         if self.end + new > capacity and self.start > 0:  # move the window to the front, to make room
             kept = self.end - self.start
             for buffer in (self.key_buffer, self.value_buffer):  # clone: source and target may overlap
-                buffer[:, :, :kept].copy_(buffer[:, :, self.start:self.end].clone())
+                buffer[:, :, :kept].copy_(buffer[:, :, self.start : self.end].clone())
             self.start, self.end = 0, kept
         if self.end + new <= capacity:
-            self.key_buffer[:, :, self.end:self.end + new].copy_(key_states)
-            self.value_buffer[:, :, self.end:self.end + new].copy_(value_states)
+            self.key_buffer[:, :, self.end : self.end + new].copy_(key_states)
+            self.value_buffer[:, :, self.end : self.end + new].copy_(value_states)
             self.end += new
-            keys, values = self.key_buffer[:, :, self.start:self.end], self.value_buffer[:, :, self.start:self.end]
+            keys, values = self.key_buffer[:, :, self.start : self.end], self.value_buffer[:, :, self.start : self.end]
         else:  # more tokens than the buffer holds: attention reads them joined, as transformers' layer does
             keys, values = key_states, value_states
             if self.end > self.start:
-                keys = torch.cat([self.key_buffer[:, :, self.start:self.end], key_states], dim=-2)
-                values = torch.cat([self.value_buffer[:, :, self.start:self.end], value_states], dim=-2)
+                keys = torch.cat([self.key_buffer[:, :, self.start : self.end], key_states], dim=-2)
+                values = torch.cat([self.value_buffer[:, :, self.start : self.end], value_states], dim=-2)
             tail = min(self.sliding_window - 1, keys.shape[-2])
-            self.key_buffer[:, :, :tail].copy_(keys[:, :, keys.shape[-2] - tail:])
-            self.value_buffer[:, :, :tail].copy_(values[:, :, values.shape[-2] - tail:])
+            self.key_buffer[:, :, :tail].copy_(keys[:, :, keys.shape[-2] - tail :])
+            self.value_buffer[:, :, :tail].copy_(values[:, :, values.shape[-2] - tail :])
             self.start, self.end = 0, tail
         self.start = max(self.start, self.end - (self.sliding_window - 1))  # what no later query can see
         self._views()
@@ -238,8 +244,8 @@ class WindowLayer(PreallocLayer):
 
     def _views(self) -> None:
         if self.key_buffer is not None:
-            self.keys = self.key_buffer[:, :, self.start:self.end]
-            self.values = self.value_buffer[:, :, self.start:self.end]
+            self.keys = self.key_buffer[:, :, self.start : self.end]
+            self.values = self.value_buffer[:, :, self.start : self.end]
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return DynamicSlidingWindowLayer.get_mask_sizes(self, query_length)  # the same counts, the same formula
@@ -338,8 +344,13 @@ def cache_tensors(cache) -> list[torch.Tensor]:
     """Every tensor a cache (object, or tuple of pairs) holds, for labelling and sizing."""
     if isinstance(cache, (tuple, list)):
         return [tensor for layer in cache for tensor in layer]
-    return [tensor for layer in cache.layers for tensor in (
-        layer.tensors() if hasattr(layer, "tensors") else [layer.keys, layer.values] if layer.is_initialized else [])]
+    return [
+        tensor
+        for layer in cache.layers
+        for tensor in (
+            layer.tensors() if hasattr(layer, "tensors") else [layer.keys, layer.values] if layer.is_initialized else []
+        )
+    ]
 
 
 def cache_length(cache) -> int:

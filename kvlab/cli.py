@@ -17,32 +17,49 @@ from .caches import CACHES
 from .explain import explain_point
 from .loops import LOOPS, STRATEGIES
 from .presets import DECODERS
-from .schema import DEFAULTS, DESIGNS, KINDS
 from .releases import ReferenceInstallError
+from .schema import DEFAULTS, KINDS
 
 # The point's options (--restart-new sets restart_new) and what each is; a number's metavar is N.
 POINT_OPTIONS = {
     "preset": f"a decoder preset ({', '.join(DECODERS)}), a config.json path (or its folder), or a hub id",
     "kind": f"one of {', '.join(KINDS)}: kvlab's loop, or the real release's own generate() for that cache/loop, "
-            "in a subprocess",
-    "cache": f"one of {', '.join(CACHES)}", "loop": f"the release whose generate() loop to run: one of {', '.join(LOOPS)}",
-    "strategy": f"one of {', '.join(STRATEGIES)}", "batch": "sequences decoded together",
-    "prompt": "prompt length, tokens", "new": "tokens generated per sequence",
+    "in a subprocess",
+    "cache": f"one of {', '.join(CACHES)}",
+    "loop": f"the release whose generate() loop to run: one of {', '.join(LOOPS)}",
+    "strategy": f"one of {', '.join(STRATEGIES)}",
+    "batch": "sequences decoded together",
+    "prompt": "prompt length, tokens",
+    "new": "tokens generated per sequence",
     "restart-new": "tokens a second generate() call adds, continuing from the first's cache; 0: no such call",
     "restart-from": "what the restart passes back: the cache object, or its tensors as tuples (4.42's default)",
-    "num-beams": "beams per sequence (strategy beam)", "chunk-limit": "cache list: chunks kept before they are joined into one",
-    "block-tokens": "cache prealloc: tokens its buffers grow by", "seed": "weights, prompt and sampling",
-    "device": "cpu, cuda, meta (counts without data) or auto (CUDA if present)", "dtype": "float32, bfloat16 or float16"}
+    "num-beams": "beams per sequence (strategy beam)",
+    "chunk-limit": "cache list: chunks kept before they are joined into one",
+    "block-tokens": "cache prealloc: tokens its buffers grow by",
+    "seed": "weights, prompt and sampling",
+    "device": "cpu, cuda, meta (counts without data) or auto (CUDA if present)",
+    "dtype": "float32, bfloat16 or float16",
+}
 NUMBERS = ("batch", "prompt", "new", "restart-new", "num-beams", "chunk-limit", "block-tokens", "seed")
 # explain's point options and their defaults, as explain_point declares them (small: it runs twice on the CPU).
-EXPLAIN_DEFAULTS = {name: p.default for name, p in inspect.signature(explain_point).parameters.items()
-                    if name in ("preset", "cache", "loop", "batch", "prompt", "new", "dtype", "seed")}
+EXPLAIN_DEFAULTS = {
+    name: p.default
+    for name, p in inspect.signature(explain_point).parameters.items()
+    if name in ("preset", "cache", "loop", "batch", "prompt", "new", "dtype", "seed")
+}
 # The rows of measure's table: (record field, what it is); a field the point has no value for is left out.
-TABLE = [("baseline_bytes", "weights (before decoding)"), ("peak_bytes", "peak"),
-         ("overhead_bytes", "overhead = peak - weights"), ("kv_at_peak_bytes", "  KV cache, at the peak"),
-         ("logits_at_peak_bytes", "  logits, at the peak"), ("other_at_peak_bytes", "  the rest, at the peak"),
-         ("predicted_overhead_bytes", "overhead predicted (kvlab.theory)"), ("kv_final_bytes", "final KV cache"),
-         ("reserved_peak_bytes", "reserved by the CUDA allocator, peak"), ("storages_peak_bytes", "live storages, peak")]
+TABLE = [
+    ("baseline_bytes", "weights (before decoding)"),
+    ("peak_bytes", "peak"),
+    ("overhead_bytes", "overhead = peak - weights"),
+    ("kv_at_peak_bytes", "  KV cache, at the peak"),
+    ("logits_at_peak_bytes", "  logits, at the peak"),
+    ("other_at_peak_bytes", "  the rest, at the peak"),
+    ("predicted_overhead_bytes", "overhead predicted (kvlab.theory)"),
+    ("kv_final_bytes", "final KV cache"),
+    ("reserved_peak_bytes", "reserved by the CUDA allocator, peak"),
+    ("storages_peak_bytes", "live storages, peak"),
+]
 
 
 class Parser(argparse.ArgumentParser):
@@ -59,8 +76,12 @@ def _point_arguments(parser: argparse.ArgumentParser, defaults: dict | None = No
     for name in defaults or POINT_OPTIONS:
         shown = defaults[name] if defaults else DEFAULTS[name.replace("-", "_")]
         number = dict(type=int, metavar="N") if name in NUMBERS else {}
-        parser.add_argument(f"--{name}", default=(defaults or {}).get(name), **number,
-                            help=f"{POINT_OPTIONS[name]} {stated or f'(default: {shown})'}")
+        parser.add_argument(
+            f"--{name}",
+            default=(defaults or {}).get(name),
+            **number,
+            help=f"{POINT_OPTIONS[name]} {stated or f'(default: {shown})'}",
+        )
 
 
 def _point_params(args) -> dict:
@@ -81,22 +102,31 @@ def format_record(r: dict) -> str:
         facts.append(f"theory off by {100 * r['prediction_error']:+.2f} %")
     if r.get("tokens_per_s"):
         facts.append(f"{r['tokens_per_s']:.1f} tokens/s ({r['seconds']:.2f} s, an unmetered run)")
-    return "\n".join([
-        f"{name}: {r['cache']} cache, {r['loop']} loop ({r['kind']}, {r['runtime']}), {r['strategy']}{beams}; "
-        f"batch {r['batch']}, prompt {r['prompt']}, {r['new']} new{restart}; {r['dtype']} on {r['device']}",
-        "", f"{'':{width}}  {unit:>10}", *(f"{label:{width}}  {value:10.3f}" for label, value in rows), "",
-        "; ".join(facts), f"meter {r['meter']} on {r['device_name']}; transformers {r['transformers_version']}, "
-        f"torch {r['torch_version']}; --json prints the whole record"])
+    return "\n".join(
+        [
+            f"{name}: {r['cache']} cache, {r['loop']} loop ({r['kind']}, {r['runtime']}), {r['strategy']}{beams}; "
+            f"batch {r['batch']}, prompt {r['prompt']}, {r['new']} new{restart}; {r['dtype']} on {r['device']}",
+            "",
+            f"{'':{width}}  {unit:>10}",
+            *(f"{label:{width}}  {value:10.3f}" for label, value in rows),
+            "",
+            "; ".join(facts),
+            f"meter {r['meter']} on {r['device_name']}; transformers {r['transformers_version']}, "
+            f"torch {r['torch_version']}; --json prints the whole record",
+        ]
+    )
 
 
 def cmd_measure(args) -> None:
     from .lab.point import run_point  # it checks every input before a model is built
+
     record = run_point(**_point_params(args))
     print(json.dumps(record) if args.json else format_record(record))
 
 
 def cmd_predict(args) -> None:
     from .lab.predict import predict
+
     result = predict(**_point_params(args), memory=args.memory, max_batch=args.max_batch, max_new=args.max_new)
     print(json.dumps(result, indent=2) if args.json else result)
 
@@ -108,6 +138,7 @@ def cmd_explain(args) -> None:
 
 def cmd_compare(args) -> None:
     from .compare import run_compare
+
     run_compare(**{key: getattr(args, key) for key in ("device", "preset", "out", "new", "batch", "prompt", "dtype")})
 
 
@@ -118,8 +149,11 @@ def cmd_sweep(args) -> None:
         _sweep(args)
     except OSError as error:  # the file system: full, read-only, a file where a folder is wanted
         where = f" ({error.filename})" if error.filename else ""
-        print(f"kvlab sweep: error: {error.strerror or error}{where}; the rows saved so far are kept: "
-              f"fix that and rerun the same command to resume", file=sys.stderr)
+        print(
+            f"kvlab sweep: error: {error.strerror or error}{where}; the rows saved so far are kept: "
+            f"fix that and rerun the same command to resume",
+            file=sys.stderr,
+        )
         sys.exit(2)
     except KeyboardInterrupt:  # the rows written so far stay valid: a rerun resumes
         print("kvlab sweep: interrupted; rerun the same command to resume", file=sys.stderr)
@@ -132,6 +166,7 @@ def _sweep(args) -> None:
     from .lab.engines import ENGINES, run_sweep
     from .lab.grid import expand, load_sweep, merge_grid_items, point_id, point_label, read_sweep, validate
     from .lab.store import rebuild
+
     if args.engine not in ENGINES:
         raise ValueError(f"unknown engine {args.engine!r}; choose one of {', '.join(ENGINES)}")
     engine_options = dict(address=args.address, num_cpus=args.num_cpus, num_gpus=args.num_gpus)
@@ -161,119 +196,232 @@ def _sweep(args) -> None:
     if args.dry_run:
         for params in points:
             print(point_id(params), point_label(params))
-        print(f"{len(points)} point{'s' * (len(points) != 1)}; results would go to {out / 'results.csv'}"
-              + (f"; each cell of a point may run {timeout} s" if timeout else ""))
+        print(
+            f"{len(points)} point{'s' * (len(points) != 1)}; results would go to {out / 'results.csv'}"
+            + (f"; each cell of a point may run {timeout} s" if timeout else "")
+        )
         return
-    run_sweep(points, out, notebook=args.notebook, kernel_name=args.kernel, command=" ".join(["python -m kvlab", *args.argv]),
-              engine=args.engine, point_timeout=timeout, **engine_options)
+    run_sweep(
+        points,
+        out,
+        notebook=args.notebook,
+        kernel_name=args.kernel,
+        command=" ".join(["python -m kvlab", *args.argv]),
+        engine=args.engine,
+        point_timeout=timeout,
+        **engine_options,
+    )
 
 
 def cmd_waste(args) -> None:
     from .lab.waste_table import write_waste
+
     write_waste(args.names, args.out, command=" ".join(["python -m kvlab", *args.argv]))
 
 
 def _waste_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.description = ("Measure where the peak of transformers' own generate() goes (kvlab.waste): each point's "
-                          "rows in OUT/waste.csv (replacing its stored ones), or `growth`: the cache against "
-                          "generated tokens in OUT/cache_growth.csv; each run logged in OUT/provenance.json.")
+    parser.description = (
+        "Measure where the peak of transformers' own generate() goes (kvlab.waste): each point's "
+        "rows in OUT/waste.csv (replacing its stored ones), or `growth`: the cache against "
+        "generated tokens in OUT/cache_growth.csv; each run logged in OUT/provenance.json."
+    )
     # The points are named when checked, not here: kvlab.waste imports the whole lesson, too much for every --help.
-    parser.add_argument("names", nargs="*", metavar="name", help="points of kvlab.waste.POINTS (default: all; "
-                        "an unknown name is refused with the list), or growth alone")
-    parser.add_argument("--out", default=str(Path("data") / "today"),
-                        help="folder of the tables, relative to the current directory (default: data/today)")
+    parser.add_argument(
+        "names",
+        nargs="*",
+        metavar="name",
+        help="points of kvlab.waste.POINTS (default: all; an unknown name is refused with the list), or growth alone",
+    )
+    parser.add_argument(
+        "--out",
+        default=str(Path("data") / "today"),
+        help="folder of the tables, relative to the current directory (default: data/today)",
+    )
 
 
 def _sweep_arguments(parser: argparse.ArgumentParser) -> None:
     from .lab.engines import ENGINES
     from .lab.grid import SWEEPS_DIR
     from .lab.runner import POINT_NOTEBOOK
-    parser.description = ("Run a grid of experiment points with papermill: one fresh kernel per point, resumable, "
-                          "failures are rows.")
-    parser.add_argument("file", nargs="?", metavar="sweep", help="sweep YAML (fixed: + grid:), a path or one of: "
-                        f"{', '.join(sorted(p.stem for p in SWEEPS_DIR.glob('*.yaml')))}")
-    parser.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2",
-                        help=f"grid values, repeatable; a single value fixes the key. Keys: {', '.join(DEFAULTS)}")
+
+    parser.description = (
+        "Run a grid of experiment points with papermill: one fresh kernel per point, resumable, failures are rows."
+    )
+    parser.add_argument(
+        "file",
+        nargs="?",
+        metavar="sweep",
+        help="sweep YAML (fixed: + grid:), a path or one of: "
+        f"{', '.join(sorted(p.stem for p in SWEEPS_DIR.glob('*.yaml')))}",
+    )
+    parser.add_argument(
+        "--grid",
+        action="append",
+        default=[],
+        metavar="KEY=V1,V2",
+        help=f"grid values, repeatable; a single value fixes the key. Keys: {', '.join(DEFAULTS)}",
+    )
     parser.add_argument("--out", help="results folder (default: results/<sweep name>)")
     parser.add_argument("--notebook", default=None, help=f"point notebook (default: {POINT_NOTEBOOK.name})")
     parser.add_argument("--kernel", default=None, help="Jupyter kernel name (default: the notebook's)")
     parser.add_argument("--dry-run", action="store_true", help="validate and list the points, run nothing")
     parser.add_argument("--force", action="store_true", help="run points predicted not to fit in free memory too")
-    parser.add_argument("--point-timeout", type=int, default=None, metavar="SECONDS",
-                        help="seconds a cell of a point's notebook may run; past it the point is a failed row "
-                        "(default: the sweep file's point_timeout_s, else no limit)")
-    parser.add_argument("--rebuild", action="store_true",
-                        help="remake OUT/results.csv from the rows in OUT/records/ and stop (every sweep does this first)")
+    parser.add_argument(
+        "--point-timeout",
+        type=int,
+        default=None,
+        metavar="SECONDS",
+        help="seconds a cell of a point's notebook may run; past it the point is a failed row "
+        "(default: the sweep file's point_timeout_s, else no limit)",
+    )
+    parser.add_argument(
+        "--rebuild",
+        action="store_true",
+        help="remake OUT/results.csv from the rows in OUT/records/ and stop (every sweep does this first)",
+    )
     ray = parser.add_argument_group("engine", "where the points run (the results folder is the same for both)")
-    ray.add_argument("--engine", default="local", metavar="{" + ",".join(ENGINES) + "}",
-                     help="local: one point after the other here (default); ray: a Ray task per point")
-    ray.add_argument("--address", default=None,
-                     help="Ray cluster: auto (the one this node belongs to) or ray://HOST:PORT; default: start one here")
+    ray.add_argument(
+        "--engine",
+        default="local",
+        metavar="{" + ",".join(ENGINES) + "}",
+        help="local: one point after the other here (default); ray: a Ray task per point",
+    )
+    ray.add_argument(
+        "--address",
+        default=None,
+        help="Ray cluster: auto (the one this node belongs to) or ray://HOST:PORT; default: start one here",
+    )
     ray.add_argument("--num-cpus", type=float, default=None, help="CPUs per point's Ray task (default 1)")
-    ray.add_argument("--num-gpus", type=float, default=None, help="GPUs per point's Ray task (default: 1 for CUDA points, else 0)")
+    ray.add_argument(
+        "--num-gpus", type=float, default=None, help="GPUs per point's Ray task (default: 1 for CUDA points, else 0)"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m kvlab", description="Where the memory of generate() goes.")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    measure = sub.add_parser("measure", help="measure one point and print its record",
-                             description="Measure one point: the peak of generate()'s memory above the weights, and "
-                             "what is live at the peak. Prints a table in MiB or GiB; --json prints the record (bytes).")
-    predict = sub.add_parser("predict", help="the predicted peak (weights + overhead) of every design, before running",
-                             description="The predicted peak of every design (or the one asked for) from the config "
-                             "alone, in GiB; nothing is allocated.")
-    explain = sub.add_parser("explain", help="who holds the bytes: the live tensors at a greedy run's peak, by what "
-                             "names them", description="Run one greedy point twice on the CPU under the live-storage "
-                             "counter; at its peak, list the live tensor storages grouped by the name that holds them "
-                             "(a frame's local, an attribute path, the op's own inputs and output), with bytes.")
+    measure = sub.add_parser(
+        "measure",
+        help="measure one point and print its record",
+        description="Measure one point: the peak of generate()'s memory above the weights, and "
+        "what is live at the peak. Prints a table in MiB or GiB; --json prints the record (bytes).",
+    )
+    predict = sub.add_parser(
+        "predict",
+        help="the predicted peak (weights + overhead) of every design, before running",
+        description="The predicted peak of every design (or the one asked for) from the config "
+        "alone, in GiB; nothing is allocated.",
+    )
+    explain = sub.add_parser(
+        "explain",
+        help="who holds the bytes: the live tensors at a greedy run's peak, by what names them",
+        description="Run one greedy point twice on the CPU under the live-storage "
+        "counter; at its peak, list the live tensor storages grouped by the name that holds them "
+        "(a frame's local, an attribute path, the op's own inputs and output), with bytes.",
+    )
     for verb, defaults in ((measure, None), (predict, None), (explain, EXPLAIN_DEFAULTS)):
         _point_arguments(verb, defaults)
-        verb.add_argument("--override", action="append", default=[], metavar="KEY=VALUE",
-                          help="config override, repeatable (e.g. num_hidden_layers=2)")
+        verb.add_argument(
+            "--override",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="config override, repeatable (e.g. num_hidden_layers=2)",
+        )
     measure.add_argument("--json", action="store_true", help="print the whole record (bytes) as one JSON line")
-    measure.add_argument("--runtime", default=None, help="eager (kvlab's loop), jit-trace (a torch.jit.trace graph "
-                         "passing tuples: cache tuple), convert (tuples <-> DynamicCache every step: cache dynamic) or "
-                         "export (torch.export with a static cache: cache static); see kvlab.graphs "
-                         f"(default: {DEFAULTS['runtime']})")
-    measure.add_argument("--no-timing", dest="timing", action="store_false", default=None,
-                         help="skip the second, unmetered run that measures tokens/s")
-    measure.add_argument("--force", action="store_true", default=None,
-                         help="run even if the predicted peak exceeds the free memory of the device")
-    predict.add_argument("--memory", default=None, metavar="SIZE",
-                         help="say whether each design fits in this much memory (e.g. 24GiB, 80GB, 512MiB, bytes)")
+    measure.add_argument(
+        "--runtime",
+        default=None,
+        help="eager (kvlab's loop), jit-trace (a torch.jit.trace graph "
+        "passing tuples: cache tuple), convert (tuples <-> DynamicCache every step: cache dynamic) or "
+        "export (torch.export with a static cache: cache static); see kvlab.graphs "
+        f"(default: {DEFAULTS['runtime']})",
+    )
+    measure.add_argument(
+        "--no-timing",
+        dest="timing",
+        action="store_false",
+        default=None,
+        help="skip the second, unmetered run that measures tokens/s",
+    )
+    measure.add_argument(
+        "--force",
+        action="store_true",
+        default=None,
+        help="run even if the predicted peak exceeds the free memory of the device",
+    )
+    predict.add_argument(
+        "--memory",
+        default=None,
+        metavar="SIZE",
+        help="say whether each design fits in this much memory (e.g. 24GiB, 80GB, 512MiB, bytes)",
+    )
     predict.add_argument("--max-batch", action="store_true", help="with --memory: the largest batch each design fits")
-    predict.add_argument("--max-new", action="store_true",
-                         help="with --memory: the most new tokens each design fits (up to the model's context)")
+    predict.add_argument(
+        "--max-new",
+        action="store_true",
+        help="with --memory: the most new tokens each design fits (up to the model's context)",
+    )
     predict.add_argument("--json", action="store_true", help="print the prediction, term by term, as JSON (bytes)")
 
-    explain.add_argument("--generate-of", default="kvlab", help="whose generate() runs: kvlab (its loop, with --cache "
-                         "and --loop), installed (this transformers' own), 4.40.1 or 4.42.4 (that release's own, in "
-                         "its folder) (default: kvlab)")
-    explain.add_argument("--step", type=int, default=None, metavar="N", help="the peak within forward N (0: the "
-                         "prompt's) instead of the whole run's (default: the whole run)")
+    explain.add_argument(
+        "--generate-of",
+        default="kvlab",
+        help="whose generate() runs: kvlab (its loop, with --cache "
+        "and --loop), installed (this transformers' own), 4.40.1 or 4.42.4 (that release's own, in "
+        "its folder) (default: kvlab)",
+    )
+    explain.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the peak within forward N (0: the prompt's) instead of the whole run's (default: the whole run)",
+    )
 
     compare = sub.add_parser("compare", help="the tuple cache of <= 4.41 vs every later design, on the default device")
     compare.add_argument("--device", default="auto", help="cpu, cuda or auto (CUDA if present) (default: auto)")
-    compare.add_argument("--preset", default=None, help="a decoder preset, config.json or hub id (default: "
-                         "llama2-7b-twin on CPU, tinyllama-1.1b on CUDA: kvlab/lab/sweeps/cpu-default.yaml, cuda-default.yaml)")
+    compare.add_argument(
+        "--preset",
+        default=None,
+        help="a decoder preset, config.json or hub id (default: "
+        "llama2-7b-twin on CPU, tinyllama-1.1b on CUDA: kvlab/lab/sweeps/cpu-default.yaml, cuda-default.yaml)",
+    )
     _point_arguments(compare, dict.fromkeys(("batch", "prompt", "new", "dtype")), "(default: the sweep file's)")
     compare.add_argument("--out", default=None, help="results folder (default: results/compare-<time>)")
 
-    _sweep_arguments(sub.add_parser("sweep", help="run a grid of points with papermill, one fresh kernel each, here "
-                                    "or on Ray (--engine local|ray --address ...)"))
-    _waste_arguments(sub.add_parser("waste", help="the waste in transformers' own generate(): measure points into "
-                                    "data/today (or --out)"))
-    commands = dict(measure=cmd_measure, predict=cmd_predict, explain=cmd_explain, compare=cmd_compare, sweep=cmd_sweep,
-                    waste=cmd_waste)
+    _sweep_arguments(
+        sub.add_parser(
+            "sweep",
+            help="run a grid of points with papermill, one fresh kernel each, here "
+            "or on Ray (--engine local|ray --address ...)",
+        )
+    )
+    _waste_arguments(
+        sub.add_parser(
+            "waste", help="the waste in transformers' own generate(): measure points into data/today (or --out)"
+        )
+    )
+    commands = dict(
+        measure=cmd_measure,
+        predict=cmd_predict,
+        explain=cmd_explain,
+        compare=cmd_compare,
+        sweep=cmd_sweep,
+        waste=cmd_waste,
+    )
     for name, verb in sub.choices.items():
         verb.set_defaults(func=commands[name])
     return parser
 
 
 # The modules each extra of pyproject.toml brings (the smallest extra that has each).
-EXTRAS = {"lab": ("papermill", "nbformat", "ipykernel", "jupyter_client", "pandas", "psutil", "nbclient"),
-          "notebooks": ("matplotlib", "seaborn", "ipywidgets"), "ray": ("ray",)}
+EXTRAS = {
+    "lab": ("papermill", "nbformat", "ipykernel", "jupyter_client", "pandas", "psutil", "nbclient"),
+    "notebooks": ("matplotlib", "seaborn", "ipywidgets"),
+    "ray": ("ray",),
+}
 
 
 def main(argv=None) -> None:
@@ -289,6 +437,9 @@ def main(argv=None) -> None:
         extra = next((name for name, modules in EXTRAS.items() if error.name in modules), None)
         if extra is None:
             raise
-        print(f"kvlab {args.command}: error: it needs {error.name}, which comes with kvlab's {extra} extra: "
-              f"pip install 'kvlab[{extra}]'", file=sys.stderr)
+        print(
+            f"kvlab {args.command}: error: it needs {error.name}, which comes with kvlab's {extra} extra: "
+            f"pip install 'kvlab[{extra}]'",
+            file=sys.stderr,
+        )
         sys.exit(1)

@@ -44,10 +44,28 @@ def parse_overrides(items) -> dict:
 
 
 # Sizes that must be positive integers (decoders, then T5, BART and Whisper); OPTIONAL_SIZES may be None (derived).
-SIZE_KEYS = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-             "vocab_size", "head_dim", "max_position_embeddings", "d_model", "d_kv", "d_ff", "num_layers",
-             "num_decoder_layers", "num_heads", "encoder_layers", "decoder_layers", "encoder_attention_heads",
-             "decoder_attention_heads", "encoder_ffn_dim", "decoder_ffn_dim")
+SIZE_KEYS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "vocab_size",
+    "head_dim",
+    "max_position_embeddings",
+    "d_model",
+    "d_kv",
+    "d_ff",
+    "num_layers",
+    "num_decoder_layers",
+    "num_heads",
+    "encoder_layers",
+    "decoder_layers",
+    "encoder_attention_heads",
+    "decoder_attention_heads",
+    "encoder_ffn_dim",
+    "decoder_ffn_dim",
+)
 OPTIONAL_SIZES = ("head_dim", "num_key_value_heads", "num_decoder_layers")
 # Config values derived from others at construction (a loaded config.json spells them out).
 DERIVED = {"head_dim": ("hidden_size", "num_attention_heads"), "layer_types": ("num_hidden_layers",)}
@@ -65,12 +83,15 @@ def check_sizes(values: dict) -> None:
     kv_heads = values.get("num_key_value_heads") or heads
     if heads and heads % kv_heads:
         divisors = ", ".join(str(d) for d in range(1, heads + 1) if heads % d == 0)
-        raise ValueError(f"num_key_value_heads={kv_heads} must divide num_attention_heads={heads}; "
-                         f"choose one of: {divisors}")
+        raise ValueError(
+            f"num_key_value_heads={kv_heads} must divide num_attention_heads={heads}; choose one of: {divisors}"
+        )
     hidden = values.get("hidden_size")
     if heads and hidden and not values.get("head_dim") and hidden % heads:
-        raise ValueError(f"hidden_size={hidden} is not divisible by num_attention_heads={heads} and head_dim is not "
-                         f"set; choose a multiple of {heads} or set head_dim")
+        raise ValueError(
+            f"hidden_size={hidden} is not divisible by num_attention_heads={heads} and head_dim is not "
+            f"set; choose a multiple of {heads} or set head_dim"
+        )
 
 
 def one_line(error: Exception) -> str:
@@ -93,7 +114,9 @@ def _finish_config(config_class: type, values: dict, overrides, name: str):
     known = set(base.to_dict())
     for key in overrides:
         if key not in known:
-            raise ValueError(f"override key {key!r} is not in the {name} config; valid keys: {', '.join(sorted(known))}")
+            raise ValueError(
+                f"override key {key!r} is not in the {name} config; valid keys: {', '.join(sorted(known))}"
+            )
     merged = {**values, **overrides}
     for derived, sources in DERIVED.items():  # re-derived from the new sizes unless overridden too
         if derived not in overrides and any(key in overrides for key in sources):
@@ -116,8 +139,10 @@ def _finish_config(config_class: type, values: dict, overrides, name: str):
 
 
 def choices() -> str:
-    return (f"{', '.join(DECODERS)} (decoders), {', '.join(ENCODER_DECODERS)} (encoder-decoders), a config.json "
-            "path or a hub id like Qwen/Qwen2.5-0.5B")
+    return (
+        f"{', '.join(DECODERS)} (decoders), {', '.join(ENCODER_DECODERS)} (encoder-decoders), a config.json "
+        "path or a hub id like Qwen/Qwen2.5-0.5B"
+    )
 
 
 def build_config(preset: str, overrides=None):
@@ -131,6 +156,7 @@ def build_config(preset: str, overrides=None):
 def hub_reachable(timeout: float = 3.0) -> bool:
     """Whether the Hugging Face hub answers at all: without network, transformers retries for ~25 s."""
     from huggingface_hub import constants
+
     if constants.HF_HUB_OFFLINE:
         return False
     try:
@@ -141,8 +167,11 @@ def hub_reachable(timeout: float = 3.0) -> bool:
 
 
 def hub_error(name: str, online: bool) -> ValueError:
-    where = ("the hub has no such model either" if online else
-             "configs and weights cannot be downloaded here (no network to the Hugging Face hub)")
+    where = (
+        "the hub has no such model either"
+        if online
+        else "configs and weights cannot be downloaded here (no network to the Hugging Face hub)"
+    )
     return ValueError(f"{name!r} is not in the local Hugging Face cache and {where}; choose one of: {choices()}")
 
 
@@ -200,7 +229,10 @@ def load_config(source: str, overrides=None):
     text = config.get_text_config(decoder=True)
     if text is not config and not config.is_encoder_decoder:
         # An image-text checkpoint (Gemma-3's `gemma3`): the KV cache is its text decoder's, which is what is built.
-        print(f"{source}: {config.model_type} is an image-text model; kvlab builds its text decoder "
-              f"({text.model_type}), without the vision tower", file=sys.stderr)
+        print(
+            f"{source}: {config.model_type} is an image-text model; kvlab builds its text decoder "
+            f"({text.model_type}), without the vision tower",
+            file=sys.stderr,
+        )
         config = text
     return _finish_config(type(config), config.to_dict(), overrides, source)

@@ -32,8 +32,23 @@ from .models import random_prompt
 UNREFERENCED = "unreferenced from Python"
 TORCH_DIR = os.path.dirname(torch.__file__)
 MAX_DEPTH = 8  # item and attribute steps from a local; transformers' holders are within 5
-ATOMS = (str, bytes, int, float, complex, bool, type(None), type, types.ModuleType, types.FunctionType,
-         types.BuiltinFunctionType, types.MethodType, torch.dtype, torch.device, torch.nn.Parameter)
+ATOMS = (
+    str,
+    bytes,
+    int,
+    float,
+    complex,
+    bool,
+    type(None),
+    type,
+    types.ModuleType,
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    torch.dtype,
+    torch.device,
+    torch.nn.Parameter,
+)
 
 
 @dataclass
@@ -62,8 +77,10 @@ class Explanation:
             row = groups[re.sub(r"\[\d+\]", "[i]", item.holders[0])]
             row[0], row[1], row[2] = row[0] + 1, row[1] + item.nbytes, row[2] + item.tensor_bytes
         mib = lambda nbytes: f"{nbytes / 2**20:.3f} MiB"
-        lines = [f"peak {mib(self.peak_bytes)} after op #{self.op_index} {self.op} in {self.where}",
-                 f"{'bytes':>12} {'share':>6} {'count':>5}  held by"]
+        lines = [
+            f"peak {mib(self.peak_bytes)} after op #{self.op_index} {self.op} in {self.where}",
+            f"{'bytes':>12} {'share':>6} {'count':>5}  held by",
+        ]
         for name, (count, nbytes, shown) in sorted(groups.items(), key=lambda g: -g[1][1]):
             view = f"  (views showing {mib(shown)})" if shown < nbytes else ""
             lines.append(f"{mib(nbytes):>12} {nbytes / max(self.peak_bytes, 1):>6.1%} {count:>5}  {name}{view}")
@@ -164,7 +181,7 @@ def _look(counter: _OpCounter, op: str, dispatch_frame) -> Explanation:
 def _importable(filename: str) -> str:
     """A source file as its package names it (transformers/cache_utils.py), not by this machine's folders."""
     roots = [os.path.abspath(p) + os.sep for p in sys.path if p and filename.startswith(os.path.abspath(p) + os.sep)]
-    return filename[len(max(roots, key=len)):] if roots else filename
+    return filename[len(max(roots, key=len)) :] if roots else filename
 
 
 def _locals(frames) -> list[tuple[str, object]]:
@@ -218,7 +235,7 @@ def _children(obj):
     if isinstance(obj, ATOMS):
         return
     attributes = getattr(obj, "__dict__", None)
-    for name, child in (attributes.items() if isinstance(attributes, dict) else ()):
+    for name, child in attributes.items() if isinstance(attributes, dict) else ():
         if name in ("_modules", "_buffers", "_parameters") and isinstance(child, dict):
             yield from ((f".{n}", c) for n, c in child.items())
         else:
@@ -229,9 +246,19 @@ def _children(obj):
         yield from ((f"[{i}]", c) for i, c in enumerate(obj))
 
 
-def explain_point(preset: str = "toy", overrides=None, batch: int = 2, prompt: int = 16, new: int = 8,
-                  dtype: str = "float32", cache: str = "tuple", loop: str = "v4.40", generate_of: str = "kvlab",
-                  step: int | None = None, seed: int = 0) -> Explanation:
+def explain_point(
+    preset: str = "toy",
+    overrides=None,
+    batch: int = 2,
+    prompt: int = 16,
+    new: int = 8,
+    dtype: str = "float32",
+    cache: str = "tuple",
+    loop: str = "v4.40",
+    generate_of: str = "kvlab",
+    step: int | None = None,
+    seed: int = 0,
+) -> Explanation:
     """Explain one greedy point of whose generate() `generate_of` names: kvlab's loop ("kvlab", with `cache` and
     `loop`), this transformers' own ("installed"), or a release's own ("4.40.1", "4.42.4": in its own process)."""
     from .caches import CACHES
@@ -240,17 +267,33 @@ def explain_point(preset: str = "toy", overrides=None, batch: int = 2, prompt: i
     from .models import build_model, parse_dtype
     from .releases import RELEASES, ROOT, install_reference, release_values
 
-    for kind, value, choices in (("generate_of", generate_of, ("kvlab", "installed", *RELEASES)),
-                                 ("cache", cache, CACHES), ("loop", loop, LOOPS)):
+    for kind, value, choices in (
+        ("generate_of", generate_of, ("kvlab", "installed", *RELEASES)),
+        ("cache", cache, CACHES),
+        ("loop", loop, LOOPS),
+    ):
         check_choice(kind, value, choices)
     dtype = str(parse_dtype(dtype)).removeprefix("torch.")
     config = load_config(preset, overrides)  # raises on a bad preset or override before anything is built
     if generate_of in RELEASES:
-        spec = dict(model_type=config.model_type, config=release_values(config), batch=batch, prompt=prompt,
-                    new=new, dtype=dtype, step=step, seed=seed)
+        spec = dict(
+            model_type=config.model_type,
+            config=release_values(config),
+            batch=batch,
+            prompt=prompt,
+            new=new,
+            dtype=dtype,
+            step=step,
+            seed=seed,
+        )
         env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(install_reference(generate_of)), str(ROOT)]))
-        result = subprocess.run([sys.executable, "-m", "kvlab.explain", json.dumps(spec)], env=env,
-                                capture_output=True, text=True, check=False)
+        result = subprocess.run(
+            [sys.executable, "-m", "kvlab.explain", json.dumps(spec)],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         if result.returncode != 0:
             raise RuntimeError(f"transformers {generate_of} run failed:\n{result.stderr[-3000:]}")
         record = json.loads(result.stdout.strip().splitlines()[-1])
@@ -259,6 +302,7 @@ def explain_point(preset: str = "toy", overrides=None, batch: int = 2, prompt: i
     ids = random_prompt(config.vocab_size, batch, prompt, seed)
     if generate_of == "kvlab":
         from .loops import generate
+
         return explain(lambda: generate(model, ids, new, cache=cache, loop=loop), model=model, step=step)
     return explain_generate(model, ids, new, step)
 
@@ -273,8 +317,14 @@ def explain_generate(model, ids: torch.Tensor, new: int, step: int | None = None
 def generate_call(model, ids: torch.Tensor, new: int, **options):
     """A callable that runs transformers' own generate() for exactly `new` tokens (no EOS), greedy unless
     `options` say otherwise."""
-    options = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new, do_sample=False,
-                   pad_token_id=0, **options)
+    options = dict(
+        attention_mask=torch.ones_like(ids),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        pad_token_id=0,
+        **options,
+    )
     model.generation_config.eos_token_id = None
     return lambda: model.generate(ids, **options)
 

@@ -24,8 +24,13 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import (AttentionInterface, LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper,
-                          TopPLogitsWarper)
+from transformers import (
+    AttentionInterface,
+    LogitsProcessorList,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -59,7 +64,8 @@ class Sampling:
         return LogitsProcessorList(
             ([TemperatureLogitsWarper(self.temperature)] if self.temperature != 1.0 else [])
             + ([TopKLogitsWarper(self.top_k)] if self.top_k > 0 else [])
-            + ([TopPLogitsWarper(self.top_p)] if self.top_p < 1.0 else []))
+            + ([TopPLogitsWarper(self.top_p)] if self.top_p < 1.0 else [])
+        )
 
 
 @dataclass
@@ -82,8 +88,9 @@ def _repeat_kv_sdpa(module, query, key, value, attention_mask, **kwargs):
     # The copies are made here, so today's SDPA must not repeat (or pack) a second time.
     module.num_key_value_groups = 1
     try:
-        return sdpa_attention_forward(module, query, repeat_kv(key, groups), repeat_kv(value, groups),
-                                      attention_mask, **kwargs)
+        return sdpa_attention_forward(
+            module, query, repeat_kv(key, groups), repeat_kv(value, groups), attention_mask, **kwargs
+        )
     finally:
         module.num_key_value_groups = groups
 
@@ -119,9 +126,20 @@ def _forward_of(model, release: Release, meter=None):
         hook.remove()
 
 
-def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "dynamic", loop: str = "v5",
-             strategy: str = "greedy", num_beams: int = 4, sampling: Sampling = Sampling(), past=None, meter=None,
-             cache_options: dict | None = None) -> Generation:
+def generate(
+    model,
+    input_ids: torch.Tensor,
+    new_tokens: int,
+    *,
+    cache: str = "dynamic",
+    loop: str = "v5",
+    strategy: str = "greedy",
+    num_beams: int = 4,
+    sampling: Sampling = Sampling(),
+    past=None,
+    meter=None,
+    cache_options: dict | None = None,
+) -> Generation:
     """Decode `new_tokens` tokens after `input_ids` as release `loop` did; continue from `past` if given.
 
     model: a decoder in eval mode (`kvlab.models.build_model`).
@@ -154,9 +172,14 @@ def generate(model, input_ids: torch.Tensor, new_tokens: int, *, cache: str = "d
             mask = torch.ones(tokens.shape, dtype=torch.long, device=device)
             positions = mask.cumsum(-1) - 1
             new_outputs, handed_back = forward(
-                model, kv, input_ids=tokens[:, cached:], position_ids=positions[:, cached:], use_cache=True,
+                model,
+                kv,
+                input_ids=tokens[:, cached:],
+                position_ids=positions[:, cached:],
+                use_cache=True,
                 attention_mask=None if device.type == "meta" else mask,  # meta: no values to inspect
-                **forward_options)
+                **forward_options,
+            )
             if release.keeps_previous_outputs:
                 # v4.40: the previous step's outputs die only now. Kept for their bytes: every fed position's
                 # logits (the next-token logits are a view into them) and the cache object the forward returned.
@@ -192,8 +215,9 @@ def _check(cache: str, loop: str, strategy: str, new_tokens: int) -> None:
         raise ValueError(f"new_tokens must be positive, got {new_tokens}")
 
 
-def _start_cache(model, release: Release, cache: str, tokens, new_tokens: int, strategy: str, past,
-                 cache_options: dict | None):
+def _start_cache(
+    model, release: Release, cache: str, tokens, new_tokens: int, strategy: str, past, cache_options: dict | None
+):
     """The cache the loop decodes into: `past` if given (checked against the tokens), else a new one of `cache`."""
     if past is not None:
         if strategy == "beam" and tokens.shape[0] != cache_batch(past):
@@ -258,8 +282,9 @@ class _BeamSearch(_Greedy):
             # length. Held only to occupy their bytes for the whole loop: kvlab never reads them.
             length = tokens.shape[1] + new_tokens
             self.buffers = [torch.zeros(self.batch, num_beams, length, dtype=torch.long, device=device) for _ in "ab"]
-            self.buffers += [torch.zeros(self.batch, num_beams, new_tokens, dtype=torch.int32, device=device)
-                             for _ in "ab"]
+            self.buffers += [
+                torch.zeros(self.batch, num_beams, new_tokens, dtype=torch.int32, device=device) for _ in "ab"
+            ]
 
     def __call__(self, tokens, next_logits):
         batch, num_beams, vocab = self.batch, self.num_beams, next_logits.shape[-1]

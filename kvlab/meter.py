@@ -225,12 +225,27 @@ class MemoryMeter(Meter):
                 at_peak[self.labels.get(serial, "other")] += nbytes
             storages_peak = self.counter.peak_bytes
         if not self.on_cuda:
-            return MemoryReport(str(self.device), "live-storages", self.weights, self.weights + storages_peak, None,
-                                self.timeline, at_peak)
+            return MemoryReport(
+                str(self.device),
+                "live-storages",
+                self.weights,
+                self.weights + storages_peak,
+                None,
+                self.timeline,
+                at_peak,
+            )
         peak = max(self.cuda_peak, torch.cuda.max_memory_allocated(self.device) - self.start_allocated)
         reserved = max(self.reserved_peak, torch.cuda.max_memory_reserved(self.device))
-        return MemoryReport(str(self.device), "cuda-allocator", self.weights, self.weights + peak, reserved,
-                            self.timeline, at_peak, storages_peak)
+        return MemoryReport(
+            str(self.device),
+            "cuda-allocator",
+            self.weights,
+            self.weights + peak,
+            reserved,
+            self.timeline,
+            at_peak,
+            storages_peak,
+        )
 
 
 def storage_bytes(tensors) -> int:

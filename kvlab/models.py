@@ -15,18 +15,24 @@ from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelF
 from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
 
 
-
 def assert_varied(new_tokens, least: float = 0.5) -> None:
     """Fail unless every row of generated tokens has at least `least` of its tokens distinct: a check that two
     decoders agree means little if both repeat one token."""
     rows = new_tokens.tolist() if hasattr(new_tokens, "tolist") else [list(row) for row in new_tokens]
     distinct = [len(set(row)) for row in rows]
     assert rows and all(count >= max(2, least * len(row)) for count, row in zip(distinct, rows)), (
-        f"degenerate output: distinct tokens per row {distinct} of {[len(row) for row in rows]}; first row {rows[0]}")
+        f"degenerate output: distinct tokens per row {distinct} of {[len(row) for row in rows]}; first row {rows[0]}"
+    )
 
 
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-          "fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "fp32": torch.float32,
+    "fp16": torch.float16,
+    "bf16": torch.bfloat16,
+}
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -75,11 +81,14 @@ def attention_of(config) -> str:
 def instantiate(config, dtype: torch.dtype):
     """The model of a config, on the default device; one that transformers cannot build is one line."""
     from .configs import one_line
+
     try:
         return model_class(config).from_config(config, dtype=dtype)
     except (KeyError, ValueError, TypeError) as error:  # e.g. hidden_act=nope: KeyError 'nope' from the layers
-        raise ValueError(f"transformers cannot build a {config.model_type} model from this config "
-                         f"({type(error).__name__}: {one_line(error)})") from None
+        raise ValueError(
+            f"transformers cannot build a {config.model_type} model from this config "
+            f"({type(error).__name__}: {one_line(error)})"
+        ) from None
 
 
 def build_model(preset: str = "toy", overrides=None, device: str = "cpu", dtype: str = "float32", seed: int = 0):
@@ -87,6 +96,7 @@ def build_model(preset: str = "toy", overrides=None, device: str = "cpu", dtype:
     local config.json, or real weights from a hub id."""
     from .configs import hub_error, hub_reachable, is_hub_id, load_config
     from .presets import ENCODER_DECODERS, vary_decoder
+
     check_device(device)
     torch_dtype = parse_dtype(dtype)
     config = load_config(preset, overrides)
@@ -95,8 +105,13 @@ def build_model(preset: str = "toy", overrides=None, device: str = "cpu", dtype:
         try:
             # use_kernels=False: from 5.25 transformers swaps layers for the hub's `kernels` by default (and refuses
             # without that package); kvlab measures transformers' own layers. 5.17-5.24 take it too (default False).
-            model = model_class(config).from_pretrained(preset, config=config, dtype=torch_dtype, use_kernels=False,
-                                                        local_files_only=not online).to(device)
+            model = (
+                model_class(config)
+                .from_pretrained(
+                    preset, config=config, dtype=torch_dtype, use_kernels=False, local_files_only=not online
+                )
+                .to(device)
+            )
         except OSError:
             raise hub_error(preset, online) from None
     else:

@@ -23,8 +23,21 @@ from .caches import sliding_windows
 from .loops import LOOPS, Release
 from .models import element_size, final_kv_bytes, head_dim, kv_bytes_per_token
 
-POINT_KEYS = ("cache", "loop", "strategy", "batch", "prompt", "new", "restart_new", "restart_from", "num_beams",
-              "dtype", "chunk_limit", "block_tokens", "runtime")
+POINT_KEYS = (
+    "cache",
+    "loop",
+    "strategy",
+    "batch",
+    "prompt",
+    "new",
+    "restart_new",
+    "restart_from",
+    "num_beams",
+    "dtype",
+    "chunk_limit",
+    "block_tokens",
+    "runtime",
+)
 INT64 = 8
 FP32 = 4
 # Decoders whose attention transformers runs only in eager PyTorch (GPT-OSS: its attention sinks have no SDPA path):
@@ -122,8 +135,21 @@ class Buffers:
 class Run:
     """What a point fixes for all its steps: the sizes, the release's loop, the design and the sliding windows."""
 
-    def __init__(self, s: Shape, release: Release, windows: list, cache: str, strategy: str, runtime: str,
-                 restart_from: str, prompt: int, new: int, restart_new: int, chunk_limit: int, block_tokens: int):
+    def __init__(
+        self,
+        s: Shape,
+        release: Release,
+        windows: list,
+        cache: str,
+        strategy: str,
+        runtime: str,
+        restart_from: str,
+        prompt: int,
+        new: int,
+        restart_new: int,
+        chunk_limit: int,
+        block_tokens: int,
+    ):
         self.s, self.release, self.windows = s, release, windows
         self.cache, self.strategy, self.runtime, self.restart_from = cache, strategy, runtime, restart_from
         self.prompt, self.new, self.restart_new = prompt, new, restart_new
@@ -206,12 +232,25 @@ class CacheWalk:
             if self.chunks >= r.chunk_limit:
                 self.chunks, consolidated = 1, True
         full_seen = r.static_len if r.cache == "static" else after  # keys a full layer attends to
-        step = Step(index, call, fed, before, after,
-                    first_of_call=index == 0 or (call == 1 and before == r.held_after_first), previous_fed=self.fed,
-                    held_before=self.held, held_after=held_after,
-                    old_tuple=s.kv(before) if r.tuple_cache or r.runtime == "convert" else 0, old_last=old_last,
-                    seen=seen, transient=transient, chunks=self.chunks, consolidated=consolidated,
-                    mask=_mask(r, fed, seen, full_seen), keys=seen if r.last_window else full_seen)
+        step = Step(
+            index,
+            call,
+            fed,
+            before,
+            after,
+            first_of_call=index == 0 or (call == 1 and before == r.held_after_first),
+            previous_fed=self.fed,
+            held_before=self.held,
+            held_after=held_after,
+            old_tuple=s.kv(before) if r.tuple_cache or r.runtime == "convert" else 0,
+            old_last=old_last,
+            seen=seen,
+            transient=transient,
+            chunks=self.chunks,
+            consolidated=consolidated,
+            mask=_mask(r, fed, seen, full_seen),
+            keys=seen if r.last_window else full_seen,
+        )
         self.held, self.fed = held_after, fed
         return step
 
@@ -249,8 +288,12 @@ def _mask(r: Run, fed: int, seen: int, full_seen: int) -> dict:
     attention gets one per layer type at every step, in the model's dtype."""
     s = r.s
     if s.eager:
-        return {"attention masks (model dtype)": s.rows * fed * s.e * (
-            full_seen * r.has_full + seen * (r.window is not None))}
+        return {
+            "attention masks (model dtype)": s.rows
+            * fed
+            * s.e
+            * (full_seen * r.has_full + seen * (r.window is not None))
+        }
     return {"sliding-window attention mask (bool)": s.rows * fed * seen} if r.window and seen >= r.window else {}
 
 
@@ -301,18 +344,19 @@ def _attention_phase(r: Run, step: Step) -> dict:
     s, fed = r.s, step.fed
     read_as_fed = r.cache == "prealloc" and r.last_window and fed > r.last_window - 1 + r.block_tokens
     new_kv = 0 if read_as_fed else 2 * s.t * fed
-    terms = {**_around_the_layer(step), "activations of one layer": _layer_activations(s, fed) - new_kv,
-             **step.mask}
+    terms = {**_around_the_layer(step), "activations of one layer": _layer_activations(s, fed) - new_kv, **step.mask}
     if r.cache == "list" and step.chunks > 1:
         terms["keys and values concatenated for attention"] = 2 * s.t * step.after
     if not s.eager:
         copies = r.groups > 1 and (r.release.major == 4 or (step.mask and fed > 1 and r.last_window))
         terms["repeat_kv copies of one layer (SDPA without its grouped-query path)"] = (
-            2 * r.groups * s.t * step.keys if copies else 0)
+            2 * r.groups * s.t * step.keys if copies else 0
+        )
         terms["attention output"] = s.rows * fed * s.heads * s.head_dim * s.e
     else:
-        terms["eager attention: scores, with the sinks, shifted, and their maxima"] = (
-            _one_keys_scores(s, fed) * (3 * step.keys + 3))
+        terms["eager attention: scores, with the sinks, shifted, and their maxima"] = _one_keys_scores(s, fed) * (
+            3 * step.keys + 3
+        )
         terms["repeat_kv copies of one layer"] = 2 * r.groups * s.t * step.keys if r.groups > 1 else 0
     return terms
 
@@ -330,10 +374,13 @@ def _mask_phase(r: Run, step: Step) -> dict | None:
     if not step.mask or r.s.eager:
         return None
     s, fed, seen = r.s, step.fed, step.seen
-    return {"cache before the forward": 0 if r.tuple_cache else step.held_before,
-            "old tuple still referenced": step.old_tuple, "embeddings": s.rows * fed * s.hidden * s.e,
-            "sliding-window mask being built (bool)": max(3, 1 + s.rows) * fed * seen,
-            "query and key positions (int64)": (fed + seen) * INT64}
+    return {
+        "cache before the forward": 0 if r.tuple_cache else step.held_before,
+        "old tuple still referenced": step.old_tuple,
+        "embeddings": s.rows * fed * s.hidden * s.e,
+        "sliding-window mask being built (bool)": max(3, 1 + s.rows) * fed * seen,
+        "query and key positions (int64)": (fed + seen) * INT64,
+    }
 
 
 def _mlp_phase(r: Run, step: Step) -> dict:
@@ -341,20 +388,32 @@ def _mlp_phase(r: Run, step: Step) -> dict:
     states. GPT-OSS's experts (grouped_mm) instead work on each token's top-k (token, expert) pairs, sorted by
     expert, and its eager attention leaves the layer's attention probabilities alive."""
     s, fed = r.s, step.fed
-    terms = {**_around_the_layer(step), "gate, up and their product": 3 * s.rows * fed * s.intermediate * s.e,
-             "embeddings, residual stream and normed input": _hidden_states(s, fed) + s.rows * fed * s.hidden * s.e,
-             "rotary cos and sin": _rotary(s, fed), **step.mask}
+    terms = {
+        **_around_the_layer(step),
+        "gate, up and their product": 3 * s.rows * fed * s.intermediate * s.e,
+        "embeddings, residual stream and normed input": _hidden_states(s, fed) + s.rows * fed * s.hidden * s.e,
+        "rotary cos and sin": _rotary(s, fed),
+        **step.mask,
+    }
     if s.experts:
         pairs = s.rows * fed * s.top_k
-        terms.update({
-            "gate, up and their product": 0,
-            "experts: gate_up and its biases (2 x 2I); gate, up, glu, up + 1 and their product (5 x I)":
-                9 * pairs * s.intermediate * s.e,
-            "experts: the hidden states gathered per pair": pairs * s.hidden * s.e,
-            "router logits and scores; pair order, expert ids and weights": s.rows * fed * (
-                s.experts * s.e + s.top_k * (s.e + INT64)) + pairs * (s.e + FP32 + 2 * INT64),
-            "attention probabilities the layer keeps (eager)": (
-                _one_keys_scores(s, fed) * (step.keys + 1) if s.eager else 0)})
+        terms.update(
+            {
+                "gate, up and their product": 0,
+                "experts: gate_up and its biases (2 x 2I); gate, up, glu, up + 1 and their product (5 x I)": 9
+                * pairs
+                * s.intermediate
+                * s.e,
+                "experts: the hidden states gathered per pair": pairs * s.hidden * s.e,
+                "router logits and scores; pair order, expert ids and weights": s.rows
+                * fed
+                * (s.experts * s.e + s.top_k * (s.e + INT64))
+                + pairs * (s.e + FP32 + 2 * INT64),
+                "attention probabilities the layer keeps (eager)": (
+                    _one_keys_scores(s, fed) * (step.keys + 1) if s.eager else 0
+                ),
+            }
+        )
     return terms
 
 
@@ -368,11 +427,14 @@ def _lm_head_phase(r: Run, step: Step) -> dict:
     """The lm_head: the kept positions' logits beside the final hidden states; <= 4.42 also upcast every fed
     position's logits to fp32 inside the forward."""
     s, fed = r.s, step.fed
-    return {**_around_the_layer(step),
-            "logits of the kept positions": s.rows * _kept_positions(r, step) * s.vocab * s.e,
-            "fp32 upcast of every position's logits (<= 4.42)": s.rows * fed * s.vocab * FP32
-            if r.release.major == 4 and s.e != FP32 else 0,
-            "final hidden states": s.rows * fed * s.hidden * s.e}
+    return {
+        **_around_the_layer(step),
+        "logits of the kept positions": s.rows * _kept_positions(r, step) * s.vocab * s.e,
+        "fp32 upcast of every position's logits (<= 4.42)": s.rows * fed * s.vocab * FP32
+        if r.release.major == 4 and s.e != FP32
+        else 0,
+        "final hidden states": s.rows * fed * s.hidden * s.e,
+    }
 
 
 def _next_token_phase(r: Run, step: Step) -> dict | None:
@@ -381,9 +443,11 @@ def _next_token_phase(r: Run, step: Step) -> dict | None:
     if r.keeps_outputs:
         return None
     s = r.s
-    return {**_around_the_layer(step),
-            "forward's logits": s.rows * _kept_positions(r, step) * s.vocab * (FP32 if r.release.major == 4 else s.e),
-            "next-token logits (fp32)": s.rows * s.vocab * FP32}
+    return {
+        **_around_the_layer(step),
+        "forward's logits": s.rows * _kept_positions(r, step) * s.vocab * (FP32 if r.release.major == 4 else s.e),
+        "next-token logits (fp32)": s.rows * s.vocab * FP32,
+    }
 
 
 def _beam_scoring_phase(r: Run, step: Step) -> dict | None:
@@ -392,8 +456,11 @@ def _beam_scoring_phase(r: Run, step: Step) -> dict | None:
     if r.strategy != "beam" or r.keeps_outputs:
         return None
     vocab_fp32 = r.s.rows * r.s.vocab * FP32
-    return {"cache after the update": step.held_after, "next-token logits (fp32)": vocab_fp32,
-            "log_softmax and beam scores (fp32)": 2 * vocab_fp32}
+    return {
+        "cache after the update": step.held_after,
+        "next-token logits (fp32)": vocab_fp32,
+        "log_softmax and beam scores (fp32)": 2 * vocab_fp32,
+    }
 
 
 def _beam_reorder_phase(r: Run, walk: CacheWalk, step: Step) -> dict | None:
@@ -408,8 +475,9 @@ def _beam_reorder_phase(r: Run, walk: CacheWalk, step: Step) -> dict | None:
     elif walk.layers is not None:
         terms = {"cache": step.held_after, "one reordered tensor": walk.reorder_peak() - step.held_after}
     else:
-        largest = {"static": max(r.static_windows or [r.static_len]),
-                   "list": after - (step.chunks - 1)}.get(r.cache, after)  # list: its largest chunk
+        largest = {"static": max(r.static_windows or [r.static_len]), "list": after - (step.chunks - 1)}.get(
+            r.cache, after
+        )  # list: its largest chunk
         largest = max(walk.buffers.storage) if walk.buffers else largest  # prealloc: its largest buffer
         terms = {"cache": step.held_after, "one reordered tensor": s.t * largest}
     if r.keeps_outputs:
@@ -423,10 +491,16 @@ def _beam_reorder_phase(r: Run, walk: CacheWalk, step: Step) -> dict | None:
 def _phases(r: Run, walk: CacheWalk, step: Step) -> dict:
     """The step's phases in the order they happen, each its terms: the last layer's update, its attention, the
     mask built before the first layer, the MLP, the lm_head, then the loop's own work after the forward."""
-    phases = {"update": _update_phase(r, step), "attention": _attention_phase(r, step),
-              "mask": _mask_phase(r, step), "mlp": _mlp_phase(r, step), "lm_head": _lm_head_phase(r, step),
-              "next-token logits": _next_token_phase(r, step), "beam scoring": _beam_scoring_phase(r, step),
-              "beam reorder": _beam_reorder_phase(r, walk, step)}  # last: it moves a sliding layer to its view
+    phases = {
+        "update": _update_phase(r, step),
+        "attention": _attention_phase(r, step),
+        "mask": _mask_phase(r, step),
+        "mlp": _mlp_phase(r, step),
+        "lm_head": _lm_head_phase(r, step),
+        "next-token logits": _next_token_phase(r, step),
+        "beam scoring": _beam_scoring_phase(r, step),
+        "beam reorder": _beam_reorder_phase(r, walk, step),
+    }  # last: it moves a sliding layer to its view
     return {name: terms for name, terms in phases.items() if terms is not None}
 
 
@@ -435,9 +509,10 @@ def _held_through_the_step(r: Run, step: Step) -> dict:
     before the first forward: only its mask and positions are new), v4.40's previous outputs (the fp32 logits of
     every fed position), 5.x's beam buffers, and the tuples a caller still holds."""
     s = r.s
-    terms = {"tokens, attention mask and position ids (int64)": (3 - (step.index == 0)) * s.rows * step.after * INT64,
-             "previous step's logits (v4.40)": (
-                 s.rows * step.previous_fed * s.vocab * FP32 if r.keeps_outputs else 0)}
+    terms = {
+        "tokens, attention mask and position ids (int64)": (3 - (step.index == 0)) * s.rows * step.after * INT64,
+        "previous step's logits (v4.40)": (s.rows * step.previous_fed * s.vocab * FP32 if r.keeps_outputs else 0),
+    }
     if r.strategy == "beam" and r.release.major == 5:
         length, count = (r.prompt + r.new, r.new) if step.call == 0 else (r.max_len, r.restart_new)
         terms["5.x beam bookkeeping (sequences, beam indices)"] = 2 * s.rows * (length * INT64 + count * 4)
@@ -459,13 +534,27 @@ def _previous_locals(r: Run, step: Step, phase: str) -> dict:
         terms["previous step's next-token logits (fp32)"] = s.rows * s.vocab * FP32
     if r.strategy in ("beam", "sample"):
         terms[f"previous step's {'beam scores' if r.strategy == 'beam' else 'probabilities'} (fp32)"] = (
-            s.rows * s.vocab * FP32)
+            s.rows * s.vocab * FP32
+        )
     return terms
 
 
-def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, prompt=64, new=512,
-                restart_new=0, restart_from="cache", num_beams=4, dtype="float32", chunk_limit=50, block_tokens=32,
-                runtime="eager"):
+def peak_phases(
+    config,
+    cache="dynamic",
+    loop="v5",
+    strategy="greedy",
+    batch=8,
+    prompt=64,
+    new=512,
+    restart_new=0,
+    restart_from="cache",
+    num_beams=4,
+    dtype="float32",
+    chunk_limit=50,
+    block_tokens=32,
+    runtime="eager",
+):
     """Every phase's bytes above the weights; returns (peak, the phase that makes it, its terms, final KV, tokens
     each layer's storage holds at the end).
 
@@ -479,9 +568,20 @@ def peak_phases(config, cache="dynamic", loop="v5", strategy="greedy", batch=8, 
     if runtime == "export":
         peak, where, terms, held = _exported_peak(s, prompt, new)
         return peak, where, terms, final_kv_bytes(config, s.rows, prompt + new, dtype), held
-    r = Run(s, LOOPS[loop], sliding_windows(config), cache=cache, strategy=strategy, runtime=runtime,
-            restart_from=restart_from, prompt=prompt, new=new, restart_new=restart_new, chunk_limit=chunk_limit,
-            block_tokens=block_tokens)
+    r = Run(
+        s,
+        LOOPS[loop],
+        sliding_windows(config),
+        cache=cache,
+        strategy=strategy,
+        runtime=runtime,
+        restart_from=restart_from,
+        prompt=prompt,
+        new=new,
+        restart_new=restart_new,
+        chunk_limit=chunk_limit,
+        block_tokens=block_tokens,
+    )
     walk, best = CacheWalk(r), (-1, None, None)
     for step in walk.steps():
         held = _held_through_the_step(r, step)
@@ -510,11 +610,11 @@ def _exported_peak(s: Shape, prompt: int, new: int):
             base["previous step's next-token logits (fp32)"] = s.rows * s.vocab * FP32
         residual = s.rows * fed * s.hidden * s.e
         phases = {
-            "attention": {"repeat_kv copies of one layer (masked SDPA)": copies,
-                          "residual stream, q, k and v": residual + s.rows * fed * (s.heads + 2 * s.kv_heads)
-                          * s.head_dim * s.e},
-            "mlp": {"gate, up and their product": 3 * s.rows * fed * s.intermediate * s.e,
-                    "residual stream": residual},
+            "attention": {
+                "repeat_kv copies of one layer (masked SDPA)": copies,
+                "residual stream, q, k and v": residual + s.rows * fed * (s.heads + 2 * s.kv_heads) * s.head_dim * s.e,
+            },
+            "mlp": {"gate, up and their product": 3 * s.rows * fed * s.intermediate * s.e, "residual stream": residual},
             "lm_head": {"logits of every fed position": s.rows * fed * s.vocab * s.e, "final hidden states": residual},
         }
         for name, terms in phases.items():
@@ -538,10 +638,14 @@ def tokens_per_layer(held: list) -> str:
 def breakdown(config, **point) -> dict:
     """The peak, where it happens and the terms that make it, for printing."""
     total, where, terms, kv_final, held = peak_phases(config, **point)
-    return {"predicted_overhead_bytes": int(total), "kv_final_bytes": kv_final,
-            "cache_tokens_per_layer": tokens_per_layer(held),
-            "overhead_over_kv": round(total / kv_final, 4), "peak_at": where,
-            "terms_bytes": {k: int(v) for k, v in terms.items() if v}}
+    return {
+        "predicted_overhead_bytes": int(total),
+        "kv_final_bytes": kv_final,
+        "cache_tokens_per_layer": tokens_per_layer(held),
+        "overhead_over_kv": round(total / kv_final, 4),
+        "peak_at": where,
+        "terms_bytes": {k: int(v) for k, v in terms.items() if v},
+    }
 
 
 def improvement_factors(config, batch=1, prompt=300, new=500, dtype="bfloat16"):
@@ -554,7 +658,8 @@ def improvement_factors(config, batch=1, prompt=300, new=500, dtype="bfloat16"):
     point = dict(batch=batch, prompt=prompt, dtype=dtype)
 
     def ratio(n):
-        return (predict_overhead(config, cache="tuple", loop="v4.40", new=n, **point)
-                / predict_overhead(config, cache="dynamic", loop="v4.42", new=n, **point))
+        return predict_overhead(config, cache="tuple", loop="v4.40", new=n, **point) / predict_overhead(
+            config, cache="dynamic", loop="v4.42", new=n, **point
+        )
 
     return ratio(2), ratio(max(new, 16 * prompt))

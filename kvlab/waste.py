@@ -50,13 +50,29 @@ UPSTREAM = {
     "view": "src/transformers/cache_utils.py: DynamicSlidingWindowLayer.update (keeps a view of the cat's output)",
     "capacity": "src/transformers/cache_utils.py: StaticLayer.lazy_initialization (max_cache_len before the prompt)",
     "prefill": "src/transformers/generation/utils.py: GenerationMixin._prefill (the whole prompt in one forward "
-               "unless generation_config.prefill_chunk_size)",
+    "unless generation_config.prefill_chunk_size)",
     "activations": "src/transformers/generation/utils.py: GenerationMixin.generate (_expand_inputs_for_generation "
-                   "before the prompt's forward, _prefill)",
+    "before the prompt's forward, _prefill)",
 }
 CACHE_TENSOR = re.compile(r"\.layers\[(\d+)\]\.(keys|values)$")
-COLUMNS = ["point", "preset", "overrides", "generate", "batch", "prompt", "new", "dtype", "kind", "term", "bytes",
-           "share_of_peak", "peak_forward", "holder", "upstream", "saves_bytes"]
+COLUMNS = [
+    "point",
+    "preset",
+    "overrides",
+    "generate",
+    "batch",
+    "prompt",
+    "new",
+    "dtype",
+    "kind",
+    "term",
+    "bytes",
+    "share_of_peak",
+    "peak_forward",
+    "holder",
+    "upstream",
+    "saves_bytes",
+]
 
 
 def held_cache_bytes(config, batch: int, prompt: int, new: int, dtype: str) -> int:
@@ -83,11 +99,13 @@ def metered(run, model) -> tuple[int, list[tuple[int, int]]]:
 def _record_cache(model, sizes: list):
     """A forward hook (its handle a context manager) appending to `sizes`, after each forward, (bytes of the
     storages under the transformers cache's keys and values, bytes those tensors show)."""
+
     def record(module, args, kwargs, out):
         cache = kwargs.get(cache_argument(module))
         tensors = [t for layer in cache.layers for t in (layer.keys, layer.values) if t is not None]
         storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes() for t in tensors}
         sizes.append((sum(storages.values()), sum(t.nbytes for t in tensors)))
+
     return model.register_forward_hook(record, with_kwargs=True)
 
 
@@ -133,43 +151,104 @@ def terms(name: str, point: dict | None = None) -> list[dict]:
     rows = [
         ("baseline", "weights", weights, "the model's parameters and buffers", ""),
         ("baseline", "final cache", final, "from the shapes: what generate() ends with", ""),
-        ("baseline", "one step's activations", step_activations,
-         "the last decode step" if not explanation.forward else "not cache, at the peak", ""),
-        *([("term", f"the cache update's {op} output", parts["op_out"], f"{explanation.op}: out, in {at}",
-            UPSTREAM.get(op, ""))] if parts["op_out"] else []),
-        ("term", "storage the cache's tensors do not show", parts["cache_hidden"],
-         "cache .layers[i].keys/values: views of longer buffers", UPSTREAM["view"]),
-        ("term", "cache tensors beyond the final cache", parts["cache_shown"] - final,
-         "cache .layers[i].keys/values (negative: not yet grown)", UPSTREAM["capacity"] if "static" in name else ""),
-        ("term", "activations above one step's", parts["rest"] - step_activations,
-         f"forward {explanation.forward} (0: the prompt's); largest: {parts['largest']}",
-         UPSTREAM["activations"] if beams > 1 else
-         UPSTREAM["prefill"] if explanation.forward == 0 else ""),
+        (
+            "baseline",
+            "one step's activations",
+            step_activations,
+            "the last decode step" if not explanation.forward else "not cache, at the peak",
+            "",
+        ),
+        *(
+            [
+                (
+                    "term",
+                    f"the cache update's {op} output",
+                    parts["op_out"],
+                    f"{explanation.op}: out, in {at}",
+                    UPSTREAM.get(op, ""),
+                )
+            ]
+            if parts["op_out"]
+            else []
+        ),
+        (
+            "term",
+            "storage the cache's tensors do not show",
+            parts["cache_hidden"],
+            "cache .layers[i].keys/values: views of longer buffers",
+            UPSTREAM["view"],
+        ),
+        (
+            "term",
+            "cache tensors beyond the final cache",
+            parts["cache_shown"] - final,
+            "cache .layers[i].keys/values (negative: not yet grown)",
+            UPSTREAM["capacity"] if "static" in name else "",
+        ),
+        (
+            "term",
+            "activations above one step's",
+            parts["rest"] - step_activations,
+            f"forward {explanation.forward} (0: the prompt's); largest: {parts['largest']}",
+            UPSTREAM["activations"] if beams > 1 else UPSTREAM["prefill"] if explanation.forward == 0 else "",
+        ),
         ("check", "peak (the meter, its own run)", weights + peak, "MemoryMeter, live storages", ""),
         ("note", "peak of the prompt's forward", weights + forwards[0][1], "the meter, forward 0", ""),
-        ("note", "storage the cache's tensors do not show after the prompt's forward", retained,
-         f"the cache after forward 0: {sizes[0][0]} bytes of storage, {sizes[0][1]} shown",
-         UPSTREAM["view"] if retained else ""),
+        (
+            "note",
+            "storage the cache's tensors do not show after the prompt's forward",
+            retained,
+            f"the cache after forward 0: {sizes[0][0]} bytes of storage, {sizes[0][1]} shown",
+            UPSTREAM["view"] if retained else "",
+        ),
     ]
     for fix in point["fix"]:
         fix_peak = FIXES[fix](model, ids, point)
         if fix == "beam-prefill-once":  # it changes the prompt's forward only: the later forwards stay
-            rows.append(("note", "peak of the prompt's forward, with the fix", weights + fix_peak,
-                         FIXES[fix].__doc__.split(",")[0].strip(), UPSTREAM["activations"]))
+            rows.append(
+                (
+                    "note",
+                    "peak of the prompt's forward, with the fix",
+                    weights + fix_peak,
+                    FIXES[fix].__doc__.split(",")[0].strip(),
+                    UPSTREAM["activations"],
+                )
+            )
             fix_peak = max([fix_peak] + [forward_peak for _, forward_peak in forwards[1:]])
         rows.append(("fix", fix, weights + fix_peak, " ".join(FIXES[fix].__doc__.split()), ""))
     if point["generate"].get("cache_implementation") == "static":  # inside the final cache, not added up
         written = point["prompt"] + explanation.forward  # tokens in the cache once the peak's forward has run
         unwritten = final - held_cache_bytes(model.config, COMMON["batch"] * beams, written, 1, COMMON["dtype"])
-        rows.append(("note", "static capacity not yet written at the peak", unwritten,
-                     f"after forward {explanation.forward}: {written} of {point['prompt'] + point['new'] - 1} tokens",
-                     UPSTREAM["capacity"]))
-    return [dict(point=name, preset=point["preset"], overrides=_text(point["overrides"]),
-                 generate=_text(point["generate"]), batch=COMMON["batch"], prompt=point["prompt"], new=point["new"],
-                 dtype=COMMON["dtype"], kind=kind, term=term, bytes=nbytes,
-                 share_of_peak=round(nbytes / (weights + peak), 5), peak_forward=explanation.forward, holder=holder,
-                 upstream=upstream, saves_bytes=weights + peak - nbytes if kind == "fix" else None)
-            for kind, term, nbytes, holder, upstream in rows]
+        rows.append(
+            (
+                "note",
+                "static capacity not yet written at the peak",
+                unwritten,
+                f"after forward {explanation.forward}: {written} of {point['prompt'] + point['new'] - 1} tokens",
+                UPSTREAM["capacity"],
+            )
+        )
+    return [
+        dict(
+            point=name,
+            preset=point["preset"],
+            overrides=_text(point["overrides"]),
+            generate=_text(point["generate"]),
+            batch=COMMON["batch"],
+            prompt=point["prompt"],
+            new=point["new"],
+            dtype=COMMON["dtype"],
+            kind=kind,
+            term=term,
+            bytes=nbytes,
+            share_of_peak=round(nbytes / (weights + peak), 5),
+            peak_forward=explanation.forward,
+            holder=holder,
+            upstream=upstream,
+            saves_bytes=weights + peak - nbytes if kind == "fix" else None,
+        )
+        for kind, term, nbytes, holder, upstream in rows
+    ]
 
 
 def _text(values: dict) -> str:
@@ -178,12 +257,23 @@ def _text(values: dict) -> str:
 
 # -- the fixes, each measured at the point's own shape by the meter (peak bytes above the weights) --------------
 
+
 def fix_prealloc(model, ids, point) -> int:
     """kvlab's `prealloc` under its 5.x loop: written in place (on sliding layers kvlab.caches.WindowLayer: the last
     window - 1 tokens in a buffer of window - 1 + 32 slots, nothing of the prompt's length kept)."""
     from .loops import generate
-    return metered(lambda: generate(model, ids, point["new"], cache="prealloc", loop="v5",
-                                    strategy="beam" if point["generate"].get("num_beams") else "greedy"), model)[0]
+
+    return metered(
+        lambda: generate(
+            model,
+            ids,
+            point["new"],
+            cache="prealloc",
+            loop="v5",
+            strategy="beam" if point["generate"].get("num_beams") else "greedy",
+        ),
+        model,
+    )[0]
 
 
 def fix_chunked_prefill(model, ids, point) -> int:
@@ -197,6 +287,7 @@ def fix_beam_prefill_once(model, ids, point) -> int:
     where generate() runs it at batch x beams: the peak of that prefill (terms takes the later forwards'
     peaks from generate()'s own run: the cache they start from is the same)."""
     from transformers import DynamicCache
+
     beams = point["generate"]["num_beams"]
 
     def prefill_once():
@@ -204,6 +295,7 @@ def fix_beam_prefill_once(model, ids, point) -> int:
         logits = model(ids, **{cache_argument(model): cache}, logits_to_keep=1).logits
         cache.batch_repeat_interleave(beams)
         return logits.repeat_interleave(beams, dim=0), cache
+
     return metered(prefill_once, model)[0]
 
 
@@ -213,17 +305,27 @@ FIXES = {"prealloc": fix_prealloc, "chunked-prefill": fix_chunked_prefill, "beam
 # The cache against generated tokens: a full-attention model beside today's all-sliding (Mistral-7B-v0.1, its
 # window 4096 cut to 512 so that the plateau comes within minutes on a CPU) and hybrid (Gemma-3-4B: 5 sliding
 # layers of window 1024, then 1 full) layouts.
-GROWTH = dict(presets=["llama2-7b-twin", "mistral-7b-v0.1-twin", "gemma-3-4b-twin"], prompt=64, new=1400,
-              overrides={"mistral-7b-v0.1-twin": {"sliding_window": 512}})
+GROWTH = dict(
+    presets=["llama2-7b-twin", "mistral-7b-v0.1-twin", "gemma-3-4b-twin"],
+    prompt=64,
+    new=1400,
+    overrides={"mistral-7b-v0.1-twin": {"sliding_window": 512}},
+)
 
 
-def cache_growth(presets=GROWTH["presets"], prompt: int = GROWTH["prompt"], new: int = GROWTH["new"],
-                 every: int = 1, overrides: dict | None = GROWTH["overrides"]) -> pd.DataFrame:
+def cache_growth(
+    presets=GROWTH["presets"],
+    prompt: int = GROWTH["prompt"],
+    new: int = GROWTH["new"],
+    every: int = 1,
+    overrides: dict | None = GROWTH["overrides"],
+) -> pd.DataFrame:
     """For each preset (bf16, batch 1; `overrides` maps a preset to its config overrides), the storage of
     transformers' own DynamicCache after each forward of generate() (a view counts its whole storage, as memory
     does): one row per forward (every `every`-th), with the tokens the model has seen by then and what the cache
     would hold with every layer full."""
     import pandas as pd
+
     rows = []
     for preset in presets:
         preset_overrides = (overrides or {}).get(preset) or {}
@@ -233,7 +335,16 @@ def cache_growth(presets=GROWTH["presets"], prompt: int = GROWTH["prompt"], new:
         with _record_cache(model, sizes), torch.inference_mode():
             generate_call(model, ids, new)()
         token = kv_bytes_per_token(model.config, COMMON["batch"], COMMON["dtype"])  # every layer's, full attention
-        rows += [dict(preset=preset, overrides=_text(preset_overrides), forward=i, tokens=prompt + i,
-                      cache_storage_bytes=storage, full_cache_bytes=token * (prompt + i))
-                 for i, (storage, _) in enumerate(sizes) if i % every == 0 or i == len(sizes) - 1]
+        rows += [
+            dict(
+                preset=preset,
+                overrides=_text(preset_overrides),
+                forward=i,
+                tokens=prompt + i,
+                cache_storage_bytes=storage,
+                full_cache_bytes=token * (prompt + i),
+            )
+            for i, (storage, _) in enumerate(sizes)
+            if i % every == 0 or i == len(sizes) - 1
+        ]
     return pd.DataFrame(rows)

@@ -40,14 +40,24 @@ def toy_bf16():
 
 # A toy with a sliding window of 16 on every layer (Mistral's layout), from a config.json as a user would pass one:
 # prompts longer than the window and generations that slide it many times take seconds.
-SLIDING_TOY = dict(model_type="mistral", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
-                   num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=8192,
-                   sliding_window=16, initializer_range=0.1)  # 0.1: varied tokens, as kvlab's presets
+SLIDING_TOY = dict(
+    model_type="mistral",
+    hidden_size=256,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1000,
+    max_position_embeddings=8192,
+    sliding_window=16,
+    initializer_range=0.1,
+)  # 0.1: varied tokens, as kvlab's presets
 
 
 @pytest.fixture(scope="session")
 def sliding_config(tmp_path_factory):
     import json
+
     path = tmp_path_factory.mktemp("sliding") / "config.json"
     path.write_text(json.dumps(SLIDING_TOY))
     return str(path)

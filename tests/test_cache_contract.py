@@ -20,7 +20,11 @@ from kvlab.meter import MemoryMeter
 from kvlab.models import assert_varied, build_model
 
 DESIGNS = ("dynamic", "list", "prealloc", "tuple")
-LAYER = {"dynamic": CatLayer, "list": lambda: ListLayer(chunk_limit=3), "prealloc": lambda: PreallocLayer(block_tokens=4)}
+LAYER = {
+    "dynamic": CatLayer,
+    "list": lambda: ListLayer(chunk_limit=3),
+    "prealloc": lambda: PreallocLayer(block_tokens=4),
+}
 
 
 def new_cache(design: str, num_layers: int):
@@ -49,6 +53,7 @@ def assert_same(ours, theirs):
 
 
 # -- CacheTest ------------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("design", DESIGNS)
 def test_dynamic_cache_retrocompatibility(design):
@@ -84,9 +89,12 @@ def test_dynamic_cache_retrocompatibility(design):
 @pytest.mark.parametrize("design", DESIGNS)
 def test_reorder_cache_retrocompatibility(design):
     """Tests that `reorder_cache` is retrocompatible with the legacy code path."""
+
     def legacy_reorder_fn(past_key_values, beam_idx):  # an example of a legacy `_reorder_cache` function (GPT-2's)
-        return tuple(tuple(past_state.index_select(0, beam_idx.to(past_state.device)) for past_state in layer_past)
-                     for layer_past in past_key_values)
+        return tuple(
+            tuple(past_state.index_select(0, beam_idx.to(past_state.device)) for past_state in layer_past)
+            for layer_past in past_key_values
+        )
 
     legacy_cache = ()
     new_cache_ = new_cache(design, 10)
@@ -103,6 +111,7 @@ def test_reorder_cache_retrocompatibility(design):
 
 
 # -- SyntheticCacheTest -----------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("design", DESIGNS)
 def test_dynamic_cache(design):
@@ -133,6 +142,7 @@ def test_dynamic_cache(design):
 
 
 # -- the rest of the layer contract, against transformers' DynamicCache ---------------------------------------
+
 
 @pytest.mark.parametrize("design", DESIGNS)
 def test_keys_and_values_are_filled_whenever_the_layer_holds_tokens(design):
@@ -194,6 +204,7 @@ def test_batch_methods_offload_and_reset_act_as_dynamic_cache(design):
 
 # -- CacheIntegrationTest / CacheHardIntegrationTest, on the toy model -------------------------------------
 
+
 @pytest.fixture(scope="module")
 def model():
     return build_model("toy")
@@ -241,9 +252,9 @@ def test_cache_beam_search(model, design):
 def test_cache_extra_left_padding(model, design):
     """Tests that adding extra left-padding does not affect the generation with the cache."""
     ids = torch.tensor([PROMPTS[1]])
-    expected = hf_generate(model, design, ids).sequences[:, ids.shape[1]:]
+    expected = hf_generate(model, design, ids).sequences[:, ids.shape[1] :]
     padded, mask = left_padded([PROMPTS[1], [1] * 32])  # pad_to_multiple_of=32
-    gen_out = hf_generate(model, design, padded[:1], mask[:1]).sequences[:, padded.shape[1]:]
+    gen_out = hf_generate(model, design, padded[:1], mask[:1]).sequences[:, padded.shape[1] :]
     assert torch.equal(gen_out, expected)
 
 
@@ -252,13 +263,24 @@ def test_cache_copy(model, design):
     """Tests that we can manually set a cache, copy, and reuse it for generation."""
     initial_prompt = torch.tensor([PROMPTS[0]])
     with torch.no_grad():  # the common prompt, cached by a forward without grad to be able to copy it
-        prompt_cache = cache_from_outputs(model(initial_prompt, use_cache=True, **{
-            cache_argument(model): new_cache(design, model.config.num_hidden_layers)}))
+        prompt_cache = cache_from_outputs(
+            model(
+                initial_prompt,
+                use_cache=True,
+                **{cache_argument(model): new_cache(design, model.config.num_hidden_layers)},
+            )
+        )
     for prompt in ([4, 44, 444], [9]):
         new_inputs = torch.tensor([PROMPTS[0] + prompt])
         cache = copy.deepcopy(prompt_cache)
-        outputs = model.generate(new_inputs, attention_mask=torch.ones_like(new_inputs), max_new_tokens=10,
-                                 min_new_tokens=10, do_sample=False, **{cache_argument(model): cache})
+        outputs = model.generate(
+            new_inputs,
+            attention_mask=torch.ones_like(new_inputs),
+            max_new_tokens=10,
+            min_new_tokens=10,
+            do_sample=False,
+            **{cache_argument(model): cache},
+        )
         assert torch.equal(outputs, hf_generate(model, None, new_inputs).sequences)
     assert prompt_cache.get_seq_length() == len(PROMPTS[0])  # the copies grew, not the original
 
@@ -276,6 +298,7 @@ def test_dynamic_cache_hard(model, design):
 
 
 # -- GenerationTesterMixin: decoding that crops the cache --------------------------------------------------
+
 
 @pytest.mark.parametrize("design", DESIGNS)
 def test_assisted_decoding_matches_greedy_search(model, design):
@@ -303,6 +326,7 @@ def slid(block_tokens: int, prefill: int, steps: int, num_layers: int = 2, batch
     """A cache of WindowLayer and one of DynamicSlidingWindowLayer fed the same updates, each layer checked after
     each (keys and values returned to attention, kept tensors, counts and mask sizes)."""
     from transformers.cache_utils import DynamicSlidingWindowLayer
+
     generator = torch.Generator().manual_seed(seed)
     ours = KVCache([WindowLayer(WINDOW, block_tokens) for _ in range(num_layers)])
     theirs = KVCache([DynamicSlidingWindowLayer(WINDOW) for _ in range(num_layers)])
@@ -358,7 +382,7 @@ def test_sliding_caches_in_transformers_generate_with_left_padding_inside_the_wi
     rows = [torch.randint(1, 1000, (n,), generator=generator).tolist() for n in (30, 9)]
     ids, mask = left_padded(rows)
     expected = hf_generate(sliding_toy, None, ids, mask, max_new_tokens=30, min_new_tokens=30).sequences
-    assert_varied(expected[:, ids.shape[1]:])
+    assert_varied(expected[:, ids.shape[1] :])
     for design in ("prealloc", "dynamic"):
         cache = {cache_argument(sliding_toy): make_cache(design, sliding_toy, block_tokens=4)}
         out = hf_generate(sliding_toy, None, ids, mask, max_new_tokens=30, min_new_tokens=30, **cache)

@@ -91,8 +91,14 @@ def test_a_hub_checkpoint_loads_into_transformers_own_layers(toy, tmp_path):
     env = {key: value for key, value in os.environ.items() if key != "USE_HUB_KERNELS"}
     env.update(HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1")
     root = Path(__file__).resolve().parent.parent  # kvlab from this checkout
-    run = subprocess.run([sys.executable, "-c", LOAD, str(repo / "snapshots" / commit / "model.safetensors")],
-                         cwd=root, env=env, capture_output=True, text=True, timeout=300)
+    run = subprocess.run(
+        [sys.executable, "-c", LOAD, str(repo / "snapshots" / commit / "model.safetensors")],
+        cwd=root,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.splitlines()[-1] == "True"  # the weights saved, not a fresh random model
 

@@ -17,11 +17,15 @@ from kvlab.profiler import ProfiledAllocations
 
 SMALL = {
     "t5-small": "num_layers=2,num_decoder_layers=2,d_model=64,d_ff=128,num_heads=4,d_kv=16,vocab_size=500",
-    "whisper-tiny": ("d_model=64,encoder_layers=2,decoder_layers=2,encoder_attention_heads=4,decoder_attention_heads=4,"
-                     "encoder_ffn_dim=128,decoder_ffn_dim=128,vocab_size=500,max_source_positions=48,num_mel_bins=16"),
+    "whisper-tiny": (
+        "d_model=64,encoder_layers=2,decoder_layers=2,encoder_attention_heads=4,decoder_attention_heads=4,"
+        "encoder_ffn_dim=128,decoder_ffn_dim=128,vocab_size=500,max_source_positions=48,num_mel_bins=16"
+    ),
     # At width 64 BART's default init_std (0.02) decodes a varied row that ignores the encoder; 0.1 does not.
-    "bart-base": ("d_model=64,encoder_layers=2,decoder_layers=2,encoder_attention_heads=4,decoder_attention_heads=4,"
-                  "encoder_ffn_dim=128,decoder_ffn_dim=128,vocab_size=500,init_std=0.1"),
+    "bart-base": (
+        "d_model=64,encoder_layers=2,decoder_layers=2,encoder_attention_heads=4,decoder_attention_heads=4,"
+        "encoder_ffn_dim=128,decoder_ffn_dim=128,vocab_size=500,init_std=0.1"
+    ),
 }
 NEW = 8
 # (batch, encoder length): 3 batch sizes and 3 encoder lengths under the maxima (4, 48), the maxima first.
@@ -37,8 +41,13 @@ def test_presets_have_the_public_sizes():
     t5 = build_config("t5-small")
     assert (t5.d_model, t5.num_layers, t5.num_heads, t5.d_kv, t5.d_ff, t5.vocab_size) == (512, 6, 8, 64, 2048, 32128)
     whisper = build_config("whisper-tiny")
-    assert (whisper.d_model, whisper.decoder_layers, whisper.decoder_attention_heads, whisper.max_source_positions,
-            whisper.vocab_size) == (384, 4, 6, 1500, 51865)
+    assert (
+        whisper.d_model,
+        whisper.decoder_layers,
+        whisper.decoder_attention_heads,
+        whisper.max_source_positions,
+        whisper.vocab_size,
+    ) == (384, 4, 6, 1500, 51865)
     bart = build_config("bart-base")
     assert (bart.d_model, bart.decoder_layers, bart.decoder_attention_heads, bart.decoder_ffn_dim) == (768, 6, 12, 3072)
     with pytest.raises(ValueError, match=r"t5-small, whisper-tiny, bart-base \(encoder-decoders\)"):
@@ -96,6 +105,7 @@ def test_reused_cache_serves_transformers_generate(model, shapes):
     from transformers.modeling_outputs import BaseModelOutput
 
     from kvlab.compat import cache_argument
+
     if shapes == "max" and encdec.is_whisper(model):
         with pytest.raises(ValueError, match="Whisper's decoder passes no encoder mask"):
             ReusableStaticCache(model.config, 4, NEW, 48, shapes=shapes)
@@ -108,8 +118,12 @@ def test_reused_cache_serves_transformers_generate(model, shapes):
         start = torch.full((hidden.shape[0], 1), model.config.decoder_start_token_id)
         # Whisper's own generate() adds language / timestamp logic; the shared loop is what it calls.
         out = (GenerationMixin.generate if encdec.is_whisper(model) else type(model).generate)(
-            model, encoder_outputs=BaseModelOutput(last_hidden_state=hidden), attention_mask=mask,
-            decoder_input_ids=start, **options)
+            model,
+            encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
+            attention_mask=mask,
+            decoder_input_ids=start,
+            **options,
+        )
         assert torch.equal(out[:batch, 1:], reference(model, request)), (batch, length)
 
 
@@ -139,9 +153,11 @@ def test_reused_cache_refuses_what_would_be_wrong():
     reused.for_request(4, torch.zeros(4, 12, hidden.shape[2]), None, NEW)
     with pytest.raises(ValueError, match="bound to batch 4 but the model sent batch 2"):
         encdec.generate(model, request, NEW, reused.cache, encoder_output=(hidden, mask))
-    for batch, length, new, limit in ((5, 12, NEW, "batch 5 exceeds this cache's maximum of 4"),
-                                      (2, 21, NEW, "encoder length 21 exceeds this cache's maximum of 20"),
-                                      (2, 12, NEW + 1, f"new tokens {NEW + 1} exceeds this cache's maximum of {NEW}")):
+    for batch, length, new, limit in (
+        (5, 12, NEW, "batch 5 exceeds this cache's maximum of 4"),
+        (2, 21, NEW, "encoder length 21 exceeds this cache's maximum of 20"),
+        (2, 12, NEW + 1, f"new tokens {NEW + 1} exceeds this cache's maximum of {NEW}"),
+    ):
         with pytest.raises(ValueError, match=limit):
             reused.for_request(batch, torch.zeros(batch, length, hidden.shape[2]), None, new)
     whisper = build_config("whisper-tiny", SMALL["whisper-tiny"])
@@ -168,8 +184,10 @@ POSITION_BYTES = 2 * 2 * 4 * 16 * 4
 @pytest.fixture(scope="module")
 def served():
     model = models.build_model("t5-small", SMALL["t5-small"])
-    requests = [encdec.make_request(model, batch, length, seed=index, ragged=True)
-                for index, (batch, length) in enumerate(REQUESTS[:4])]
+    requests = [
+        encdec.make_request(model, batch, length, seed=index, ragged=True)
+        for index, (batch, length) in enumerate(REQUESTS[:4])
+    ]
     return model, requests, {mode: serve(model, requests, mode, NEW) for mode in MODES}
 
 

@@ -10,10 +10,10 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM
 
 from kvlab.explain import UNREFERENCED, explain, explain_generate, explain_point
-from kvlab.releases import ReferenceInstallError, install_reference
 from kvlab.loops import generate
 from kvlab.meter import MemoryMeter
 from kvlab.models import build_model
+from kvlab.releases import ReferenceInstallError, install_reference
 
 BATCH, PROMPT, NEW = 2, 16, 8
 LAYERS, HEADS, HEAD_DIM = 4, 4, 64  # the toy preset: hidden 256 over 4 heads, 4 KV heads
@@ -106,9 +106,17 @@ def test_release_4_40_1_generate_holds_two_caches():
 
 def test_sliding_layer_keeps_the_prefill_buffer_until_the_first_decode_step():
     window, prompt, kv_heads, head_dim = 16, 256, 2, 16
-    config = MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                           num_key_value_heads=kv_heads, vocab_size=500, sliding_window=window,
-                           max_position_embeddings=1024, attn_implementation="sdpa")
+    config = MistralConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        vocab_size=500,
+        sliding_window=window,
+        max_position_embeddings=1024,
+        attn_implementation="sdpa",
+    )
     torch.manual_seed(0)
     model = MistralForCausalLM(config).eval()
     ids = torch.randint(0, 500, (1, prompt), generator=torch.Generator().manual_seed(0))
@@ -152,8 +160,9 @@ def test_v5_beam_on_a_sliding_layout_differs_from_5x_generate_by_its_per_row_mas
     model = build_model("mistral-7b-v0.1-twin", ["sliding_window=64"], dtype="bfloat16")
     rows, prompt = 3, 100
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
-    ours = explain(lambda: generate(model, ids, 4, cache="dynamic", loop="v5", strategy="beam", num_beams=rows),
-                   model=model)
+    ours = explain(
+        lambda: generate(model, ids, 4, cache="dynamic", loop="v5", strategy="beam", num_beams=rows), model=model
+    )
     theirs = explain_generate(model, ids, 4, num_beams=rows)
     mask = r"MistralModel\.forward: causal_mask"
     assert held_by(ours, mask) == {(): rows * prompt * prompt} and held_by(theirs, mask) == {(): prompt * prompt}

@@ -8,11 +8,11 @@ import sys
 import pytest
 import torch
 
+from kvlab.graphs import VARIANTS, build_graphs, check_runtime, decode_variant, generate_graph, time_variants
 from kvlab.graphs.conversion import conversion_cost, random_tuples, to_cache, to_tuples
+from kvlab.graphs.meter import ProfilerMeter
 from kvlab.lab.params import normalize
 from kvlab.lab.point import run_point
-from kvlab.graphs.meter import ProfilerMeter
-from kvlab.graphs import VARIANTS, build_graphs, check_runtime, decode_variant, generate_graph, time_variants
 from kvlab.meter import LiveStorageCounter, MemoryMeter
 from kvlab.models import assert_varied
 from kvlab.profiler import ProfiledAllocations
@@ -24,9 +24,10 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def reference(model, prompt, new):
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
-                         do_sample=False)
-    assert_varied(out[:, prompt.shape[1]:])  # equal tokens mean something only if they vary
+    out = model.generate(
+        prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new, do_sample=False
+    )
+    assert_varied(out[:, prompt.shape[1] :])  # equal tokens mean something only if they vary
     return out
 
 
@@ -62,11 +63,12 @@ def test_bfloat16_exported_logits_within_one_bf16_step_of_the_eager_forward(toy_
     graphs = build_graphs(toy_bf16, prompt, 4, "export")
     generate_graph(toy_bf16, prompt, 1, "export", graphs)  # fresh buffers, then the prompt once more:
     from kvlab.graphs import _fresh_cache_buffers
+
     _fresh_cache_buffers(graphs.prefill)
     with torch.no_grad():
         exported = graphs.prefill(input_ids=prompt, cache_position=torch.arange(prompt.shape[1]))[:, -1].float()
         eager = toy_bf16(prompt, attention_mask=torch.ones_like(prompt)).logits[:, -1].float()
-    step = 2.0 ** -7 * 2 ** torch.ceil(torch.log2(eager.abs().clamp_min(2 ** -6)))  # one bf16 step at each value
+    step = 2.0**-7 * 2 ** torch.ceil(torch.log2(eager.abs().clamp_min(2**-6)))  # one bf16 step at each value
     assert bool(((exported - eager).abs() <= step).all())
 
 
@@ -78,11 +80,14 @@ def test_the_traced_step_passes_tuples_and_the_conversion_copies_in_and_not_out(
     tuples = random_tuples(2, 2, 2, 5, 4)
     cache = to_cache(tuples)
     assert all(a.data_ptr() != b.data_ptr() for a, b in zip(tuples[0], (cache.layers[0].keys, cache.layers[0].values)))
-    assert all(a.data_ptr() == b.data_ptr() for a, b in zip(to_tuples(cache)[1], (cache.layers[1].keys,
-                                                                                 cache.layers[1].values)))
+    assert all(
+        a.data_ptr() == b.data_ptr()
+        for a, b in zip(to_tuples(cache)[1], (cache.layers[1].keys, cache.layers[1].values))
+    )
 
 
 # -- the meter ------------------------------------------------------------------------------------
+
 
 def test_the_live_storage_counter_cannot_run_inside_a_traced_graph(toy, prompt):
     graphs = build_graphs(toy, prompt, 3, "jit-trace")
@@ -185,6 +190,7 @@ def test_exported_static_cache_is_its_preallocation_plus_one_step(toy, prompt):
 
 # -- conversion ----------------------------------------------------------------------------------
 
+
 def test_conversion_cost_counted_and_checked_by_the_profiler():
     tuples = random_tuples(4, 2, 2, 64, 8)
     cost = conversion_cost(tuples, repeats=1)
@@ -201,15 +207,19 @@ def test_conversion_cost_counted_and_checked_by_the_profiler():
 
 # -- bad input -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("params, message", [
-    (dict(runtime="export", cache="dynamic"), "cannot carry the 'dynamic' cache"),
-    (dict(runtime="jit-trace", cache="prealloc"), "use cache='tuple'"),
-    (dict(runtime="convert", cache="static"), "use cache='dynamic'"),
-    (dict(runtime="jit"), "eager, jit-trace, convert, export"),
-    (dict(runtime="export", strategy="beam"), "greedily only"),
-    (dict(runtime="jit-trace", loop="v4.40"), "loop='v5'"),
-    (dict(runtime="convert", restart_new=4), "without a restart"),
-])
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (dict(runtime="export", cache="dynamic"), "cannot carry the 'dynamic' cache"),
+        (dict(runtime="jit-trace", cache="prealloc"), "use cache='tuple'"),
+        (dict(runtime="convert", cache="static"), "use cache='dynamic'"),
+        (dict(runtime="jit"), "eager, jit-trace, convert, export"),
+        (dict(runtime="export", strategy="beam"), "greedily only"),
+        (dict(runtime="jit-trace", loop="v4.40"), "loop='v5'"),
+        (dict(runtime="convert", restart_new=4), "without a restart"),
+    ],
+)
 def test_bad_runtime_input_is_refused_in_one_line(params, message):
     with pytest.raises(ValueError, match=message) as error:
         normalize(**params)
@@ -242,8 +252,9 @@ def test_time_variants_keeps_every_repeat_and_its_median(toy, prompt):
 @pytest.mark.slow  # the CLI around the runtimes: machinery, for make test-all
 def test_cli_measures_a_runtime_and_refuses_a_design_it_cannot_carry():
     def run(*args):
-        return subprocess.run([sys.executable, "-m", "kvlab", "measure", *args], capture_output=True, text=True,
-                              timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "kvlab", "measure", *args], capture_output=True, text=True, timeout=300
+        )
 
     refused = run("--runtime", "export", "--cache", "dynamic")
     assert refused.returncode == 2 and refused.stderr.count("\n") == 1
@@ -259,6 +270,7 @@ def test_the_gpu_sweep_is_valid_and_its_7b_points_are_predicted_as_on_the_twins(
     from kvlab import theory
     from kvlab.configs import build_config
     from kvlab.lab.grid import expand, load_sweep, validate
+
     points = validate(expand(*load_sweep("gpu-graphs")), devices_here=False)
     assert all(p["device"] == "cuda" for p in points)
     for preset in ("llama2-7b", "mistral-7b"):  # every variant of notebook 05 once at each 7B shape
@@ -266,8 +278,11 @@ def test_the_gpu_sweep_is_valid_and_its_7b_points_are_predicted_as_on_the_twins(
     for preset in ("llama2-7b", "mistral-7b"):
         config = build_config(preset)
         point = dict(batch=8, prompt=300, new=500, dtype="bfloat16")
-        ratio = {runtime: theory.breakdown(config, runtime=runtime, cache=cache, **point)["overhead_over_kv"]
-                 for runtime, cache in VARIANTS if runtime != "eager"}
+        ratio = {
+            runtime: theory.breakdown(config, runtime=runtime, cache=cache, **point)["overhead_over_kv"]
+            for runtime, cache in VARIANTS
+            if runtime != "eager"
+        }
         assert ratio["jit-trace"] >= 1.9 and ratio["convert"] >= ratio["jit-trace"], ratio
         # export: its buffers (prompt + new - 1 tokens) plus the prompt's step (Mistral's MLP is 3.5x wider)
         exported = theory.breakdown(config, runtime="export", cache="static", **point)
@@ -281,8 +296,9 @@ def test_graphs_refuse_a_batch_or_length_they_were_not_built_for(toy, prompt):
     # An exported static cache holds prompt + new - 1 tokens; a longer decode would write past its end.
     for runtime in ("jit-trace", "export"):
         graphs = build_graphs(toy, prompt, 4, runtime)
-        assert torch.equal(generate_graph(toy, prompt[:, :-1], 5, runtime, graphs).tokens,
-                           reference(toy, prompt[:, :-1], 5))  # as many cached tokens: fine
+        assert torch.equal(
+            generate_graph(toy, prompt[:, :-1], 5, runtime, graphs).tokens, reference(toy, prompt[:, :-1], 5)
+        )  # as many cached tokens: fine
         for ids, new in ((prompt, 5), (prompt[:, :-1], 6), (prompt[:2], 4), (torch.cat([prompt, prompt]), 4)):
             with pytest.raises(ValueError, match="^graphs built for runtime .* cannot decode") as error:
                 generate_graph(toy, ids, new, runtime, graphs)

@@ -4,8 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from kvlab.meter import MemoryMeter
-from kvlab.meter import weight_bytes
+from kvlab.meter import MemoryMeter, weight_bytes
 
 F32 = 4
 

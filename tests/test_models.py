@@ -2,21 +2,32 @@
 
 import pytest
 import torch
-from transformers import (BartForConditionalGeneration, LlamaForCausalLM, T5ForConditionalGeneration,
-                          WhisperForConditionalGeneration)
+from transformers import (
+    BartForConditionalGeneration,
+    LlamaForCausalLM,
+    T5ForConditionalGeneration,
+    WhisperForConditionalGeneration,
+)
 
 from kvlab.configs import build_config, is_hub_id, load_config
 from kvlab.models import build_model
 from kvlab.presets import ENCODER_DECODERS, vary_decoder
 
 SMALL = {
-    "t5-small": ("num_layers=1,num_decoder_layers=1,d_model=32,d_ff=64,num_heads=2,d_kv=16,vocab_size=100",
-                 T5ForConditionalGeneration),
-    "whisper-tiny": ("d_model=32,encoder_layers=1,decoder_layers=1,encoder_attention_heads=2,decoder_attention_heads=2,"
-                     "encoder_ffn_dim=64,decoder_ffn_dim=64,vocab_size=100,max_source_positions=16,num_mel_bins=8",
-                     WhisperForConditionalGeneration),
-    "bart-base": ("d_model=32,encoder_layers=1,decoder_layers=1,encoder_attention_heads=2,decoder_attention_heads=2,"
-                  "encoder_ffn_dim=64,decoder_ffn_dim=64,vocab_size=100", BartForConditionalGeneration),
+    "t5-small": (
+        "num_layers=1,num_decoder_layers=1,d_model=32,d_ff=64,num_heads=2,d_kv=16,vocab_size=100",
+        T5ForConditionalGeneration,
+    ),
+    "whisper-tiny": (
+        "d_model=32,encoder_layers=1,decoder_layers=1,encoder_attention_heads=2,decoder_attention_heads=2,"
+        "encoder_ffn_dim=64,decoder_ffn_dim=64,vocab_size=100,max_source_positions=16,num_mel_bins=8",
+        WhisperForConditionalGeneration,
+    ),
+    "bart-base": (
+        "d_model=32,encoder_layers=1,decoder_layers=1,encoder_attention_heads=2,decoder_attention_heads=2,"
+        "encoder_ffn_dim=64,decoder_ffn_dim=64,vocab_size=100",
+        BartForConditionalGeneration,
+    ),
     "toy": ("num_hidden_layers=1", LlamaForCausalLM),
 }
 

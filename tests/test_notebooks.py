@@ -49,12 +49,24 @@ def test_notebook_executes_with_tiny_parameters(path, tmp_path, monkeypatch):
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # tiny means CPU, even on a GPU machine
     output = tmp_path / path.name
-    papermill.execute_notebook(str(path), str(output), parameters=tiny_parameters(path, tmp_path),
-                               kernel_name=kernel.kernel_name(), cwd=str(path.parent), progress_bar=False,
-                               log_output=False, extra_arguments=kernel.QUIET_KERNEL)
+    papermill.execute_notebook(
+        str(path),
+        str(output),
+        parameters=tiny_parameters(path, tmp_path),
+        kernel_name=kernel.kernel_name(),
+        cwd=str(path.parent),
+        progress_bar=False,
+        log_output=False,
+        extra_arguments=kernel.QUIET_KERNEL,
+    )
     executed = nbformat.read(output, as_version=4)
-    errors = [o for c in executed.cells if c.cell_type == "code" for o in c.get("outputs", [])
-              if o.get("output_type") == "error"]
+    errors = [
+        o
+        for c in executed.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "error"
+    ]
     assert not errors, f"{path.name}: {errors[0].get('ename')}: {errors[0].get('evalue')}"
 
 
@@ -62,21 +74,31 @@ def test_notebook_executes_with_tiny_parameters(path, tmp_path, monkeypatch):
 def test_committed_notebook_is_executed_and_clean(path):
     nb = nbformat.read(path, as_version=4)
     assert any(cell.get("outputs") for cell in nb.cells if cell.cell_type == "code"), (
-        f"{path.name} has no outputs; commit the executed notebook")
+        f"{path.name} has no outputs; commit the executed notebook"
+    )
     found = problems(nb, path.name)
     assert not found, f"{path.name} (fix, or `python -m kvlab.notebook run {path.name}`):\n  " + "\n  ".join(found)
 
 
 def test_problems_are_found():
     """The checker itself: each kind of noise in a notebook is reported."""
-    nb = nbformat.v4.new_notebook(cells=[
-        nbformat.v4.new_markdown_cell("# A title"),
-        nbformat.v4.new_code_cell("tiny = False", metadata={"tags": ["parameters"]}),
-        nbformat.v4.new_code_cell("x", execution_count=1, outputs=[
-            nbformat.v4.new_output("stream", name="stderr", text="/x/y.py:3: TqdmWarning: IProgress not found\n"),
-            nbformat.v4.new_output("stream", name="stdout", text=f"wrote {ROOT}/results/a.csv\n")],
-            metadata={"execution": {"iopub.execute_input": "2026-11-30T10:00:00Z"}}),
-    ])
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_markdown_cell("# A title"),
+            nbformat.v4.new_code_cell("tiny = False", metadata={"tags": ["parameters"]}),
+            nbformat.v4.new_code_cell(
+                "x",
+                execution_count=1,
+                outputs=[
+                    nbformat.v4.new_output(
+                        "stream", name="stderr", text="/x/y.py:3: TqdmWarning: IProgress not found\n"
+                    ),
+                    nbformat.v4.new_output("stream", name="stdout", text=f"wrote {ROOT}/results/a.csv\n"),
+                ],
+                metadata={"execution": {"iopub.execute_input": "2026-11-30T10:00:00Z"}},
+            ),
+        ]
+    )
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nb.cells[1].execution_count = 1
     found = "\n".join(problems(nb, "x.ipynb"))
@@ -88,26 +110,31 @@ def test_readme_links_every_notebook_and_agrees_with_the_repository_url():
     readme = (ROOT / "README.md").read_text()
     linked = set(re.findall(r"\]\(notebooks/([^)]+\.ipynb)\)", readme))
     assert linked == {p.name for p in NOTEBOOKS}, (
-        f"README links {sorted(linked)}; notebooks/ has {sorted(p.name for p in NOTEBOOKS)}")
+        f"README links {sorted(linked)}; notebooks/ has {sorted(p.name for p in NOTEBOOKS)}"
+    )
     for url in re.findall(r"https://colab\.research\.google\.com/github/[^\s)\"'>]+", readme):
         assert url == colab.colab_url(url.rsplit("/", 1)[1]), (
-            f"README's Colab link {url} is not from kvlab.notebook.colab")
+            f"README's Colab link {url} is not from kvlab.notebook.colab"
+        )
     # This repository's URL (links to transformers' PRs and issues are sources, not the repository).
     for url in re.findall(r"https://github\.com/[\w.-]+/kvlab\b[\w.-]*", readme):
         assert url == colab.REPOSITORY, (
-            f"README names the repository {url}; kvlab.notebook.colab.REPOSITORY says {colab.REPOSITORY}")
+            f"README names the repository {url}; kvlab.notebook.colab.REPOSITORY says {colab.REPOSITORY}"
+        )
 
 
 def test_colab_url_comes_from_the_repository():
     assert colab.colab_url("01_x.ipynb", "https://github.com/someone/proj") == (
-        "https://colab.research.google.com/github/someone/proj/blob/main/notebooks/01_x.ipynb")
+        "https://colab.research.google.com/github/someone/proj/blob/main/notebooks/01_x.ipynb"
+    )
     with pytest.raises(ValueError, match="not a GitHub repository URL"):
         colab.colab_url("01_x.ipynb", "https://example.org/proj")
 
 
 def test_make_lab_uses_its_own_kernel_name():
-    recipe = subprocess.run(["make", "-n", "-B", "-f", str(ROOT / "Makefile"), ".venv/.ready"], cwd=ROOT,
-                            capture_output=True, text=True)
+    recipe = subprocess.run(
+        ["make", "-n", "-B", "-f", str(ROOT / "Makefile"), ".venv/.ready"], cwd=ROOT, capture_output=True, text=True
+    )
     if recipe.returncode != 0:
         pytest.skip(f"make -n failed: {recipe.stderr.strip()}")
     installs = [line for line in recipe.stdout.splitlines() if "ipykernel install" in line]
@@ -128,8 +155,12 @@ def test_stamp_gives_badge_setup_cell_and_kernel_once(tmp_path, capsys):
     from kvlab.notebook.tools import main
 
     path = tmp_path / "09_new.ipynb"
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_markdown_cell("# 09 · New\n\nWhat you will learn."),
-                                         nbformat.v4.new_code_cell("tiny = False", metadata={"tags": ["parameters"]})])
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_markdown_cell("# 09 · New\n\nWhat you will learn."),
+            nbformat.v4.new_code_cell("tiny = False", metadata={"tags": ["parameters"]}),
+        ]
+    )
     nbformat.write(nb, path)
     assert main(["stamp", str(path)]) == 0
     stamped = nbformat.read(path, as_version=4)
@@ -148,6 +179,7 @@ def test_stamp_gives_badge_setup_cell_and_kernel_once(tmp_path, capsys):
 def test_an_empty_notebook_or_an_empty_error_costs_one_line(tmp_path, capsys, monkeypatch):
     import kvlab.notebook.tools
     from kvlab.notebook.tools import main
+
     empty = nbformat.v4.new_notebook()
     assert any("badge" in line for line in problems(empty, "x.ipynb"))  # reported, not an IndexError
     path = tmp_path / "empty.ipynb"
@@ -157,10 +189,10 @@ def test_an_empty_notebook_or_an_empty_error_costs_one_line(tmp_path, capsys, mo
 
     def fail(*args, **kwargs):
         raise RuntimeError("")  # a failure with no message at all
+
     monkeypatch.setattr(kvlab.notebook.tools, "execute", fail)
     assert main(["run", str(path)]) == 1
     assert capsys.readouterr().err.strip() == f"{path}: RuntimeError: (no message)"
-
 
 
 def test_kvlab_refusal_shows_only_kvlab_own_refusals():
@@ -179,12 +211,20 @@ def test_timeline_panels_share_a_y_axis_that_fits_the_highest_design():
     """A later panel's higher peak is not clipped by the first panel's range (the notebooks happen to put the
     highest design first)."""
     import matplotlib
+
     matplotlib.use("Agg")
     from kvlab.meter import MemoryReport, StepMemory
     from kvlab.notebook.plots import plot_timelines
 
     def report(mib):
-        return MemoryReport("cpu", "live-storages", 0, 0, None, [StepMemory(i, i * mib * 2**20, (i + 1) * mib * 2**20)
-                                                                for i in range(5)])
+        return MemoryReport(
+            "cpu",
+            "live-storages",
+            0,
+            0,
+            None,
+            [StepMemory(i, i * mib * 2**20, (i + 1) * mib * 2**20) for i in range(5)],
+        )
+
     fig = plot_timelines({"low": report(1), "high": report(10)})
     assert all(ax.get_ylim()[0] == 0 and ax.get_ylim()[1] >= 50 for ax in fig.axes[:2])

@@ -35,6 +35,7 @@ def both(fn):
 
 # -- the profiler meter on known allocations ------------------------------------------------------
 
+
 def test_profiler_meter_on_known_allocations():
     older = torch.ones(5000)  # from before the region: its free inside is not an allocation of the region
 
@@ -65,6 +66,7 @@ def test_a_block_from_an_earlier_profile_is_not_freed_twice():
 
 # -- the two meters on decodes ---------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("loop", ENDS)
 @pytest.mark.parametrize("cache", CACHES)
 def test_counter_and_profiler_agree_on_a_decode(toy, cache, loop, one_thread):
@@ -81,6 +83,7 @@ def test_counter_and_profiler_agree_on_a_decode(toy, cache, loop, one_thread):
 
 
 # -- blind spots of the counter ---------------------------------------------------------------------
+
 
 def test_python_scalars_and_casts_inside_a_kernel():
     x = torch.ones(1000)

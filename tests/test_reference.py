@@ -10,16 +10,16 @@ import pytest
 import torch
 import transformers
 
-from kvlab.lab import reference
-from kvlab.loops import generate
 from kvlab import theory
-from kvlab.schema import REFERENCES
+from kvlab.configs import build_config
+from kvlab.lab import reference
 from kvlab.lab.params import normalize
 from kvlab.lab.point import run_point
-from kvlab.configs import build_config
+from kvlab.lab.reference import measure_references, weights_digest
+from kvlab.loops import generate
 from kvlab.models import assert_varied, build_model
 from kvlab.releases import INSTALLED, ReferenceInstallError, install_reference
-from kvlab.lab.reference import measure_references, weights_digest
+from kvlab.schema import REFERENCES
 
 # Small enough for a 2-core CPU (one subprocess per release runs all of its points), long enough that
 # the peak falls in decoding, where the loops differ, rather than in the prompt's forward.
@@ -35,8 +35,12 @@ PAIRS = {
     "5.x-dynamic": (None, dict(cache="dynamic", loop="v5")),
     "5.x-static": ("static", dict(cache="static", loop="v5")),
 }
-POINTS = [dict(dtype=dtype, config=config, strategy=strategy)
-          for dtype in DTYPES for config in CONFIGS for strategy in STRATEGIES]
+POINTS = [
+    dict(dtype=dtype, config=config, strategy=strategy)
+    for dtype in DTYPES
+    for config in CONFIGS
+    for strategy in STRATEGIES
+]
 # `make test` checks these two per release (MHA fp32 greedy, GQA bf16 beam: every loop difference acts in one
 # of them); `make test-all` the other six too. Each group is one subprocess per release.
 QUICK = [POINTS[0], POINTS[-1]]
@@ -45,8 +49,10 @@ SLOW_PAIRS = ("5.x-static",)
 
 
 # Each release's tests on one pytest-xdist worker (--dist loadgroup), where its subprocess (real_records) runs once.
-PAIR_PARAMS = [pytest.param(p, marks=[pytest.mark.xdist_group(f"release-{p}")] + [pytest.mark.slow] * (p in SLOW_PAIRS))
-               for p in PAIRS]
+PAIR_PARAMS = [
+    pytest.param(p, marks=[pytest.mark.xdist_group(f"release-{p}")] + [pytest.mark.slow] * (p in SLOW_PAIRS))
+    for p in PAIRS
+]
 
 
 def release_of(pair: str) -> str:
@@ -72,7 +78,8 @@ def kvlab_digest(config: str, dtype: str) -> str:
 
 
 def real_records(pair: str, quick: bool = True) -> dict:
-    """The QUICK points of one release (or the others), measured in one subprocess: {(dtype, config, strategy): record}."""
+    """The QUICK points of one release (or the others), measured in one subprocess:
+    {(dtype, config, strategy): record}."""
     return _real_records(pair, quick)  # one cache key however it is called: lru_cache tells (pair) from (pair, True)
 
 
@@ -82,9 +89,20 @@ def _real_records(pair: str, quick: bool) -> dict:
     if install_error(release_of(pair)):
         pytest.skip(install_error(release_of(pair)))
     points = [p for p in POINTS if (p in QUICK) == quick]
-    records = measure_references(release_of(pair), [
-        dict(SIZE, dtype=p["dtype"], overrides=CONFIGS[p["config"]], strategy=p["strategy"], num_beams=BEAMS,
-             cache_implementation=cache_implementation) for p in points])
+    records = measure_references(
+        release_of(pair),
+        [
+            dict(
+                SIZE,
+                dtype=p["dtype"],
+                overrides=CONFIGS[p["config"]],
+                strategy=p["strategy"],
+                num_beams=BEAMS,
+                cache_implementation=cache_implementation,
+            )
+            for p in points
+        ],
+    )
     return {(p["dtype"], p["config"], p["strategy"]): record for p, record in zip(points, records)}
 
 
@@ -126,7 +144,7 @@ def test_each_release_runs_and_reports_its_version(pair):
     records = real_records(pair)
     expected = transformers.__version__ if release_of(pair) == INSTALLED else pair
     assert {record["transformers_version"] for record in records.values()} == {expected}
-    for (dtype, config, strategy), record in records.items():
+    for record in records.values():
         assert record["meter"] == "live-storages" and record["overhead_bytes"] > 0
         assert len(record["tokens"]) == SIZE["batch"] and {len(row) for row in record["tokens"]} == {SIZE["new"]}
 
@@ -138,8 +156,11 @@ def test_every_release_builds_kvlabs_weights(pair):
         assert record["weights_sha256"] == kvlab_digest(config, dtype), (dtype, config)
 
 
-@pytest.mark.parametrize("point", [p if p in QUICK else pytest.param(p, marks=pytest.mark.slow) for p in POINTS],
-                         ids=lambda p: f"{p['dtype']}-{p['config']}-{p['strategy']}")
+@pytest.mark.parametrize(
+    "point",
+    [p if p in QUICK else pytest.param(p, marks=pytest.mark.slow) for p in POINTS],
+    ids=lambda p: f"{p['dtype']}-{p['config']}-{p['strategy']}",
+)
 @pytest.mark.parametrize("pair", PAIR_PARAMS)
 def test_kvlab_loop_matches_the_release(pair, point):
     """The issue's bar: kvlab's loop peaks within 1 % of the release's own generate(), and decodes its tokens."""
@@ -147,8 +168,17 @@ def test_kvlab_loop_matches_the_release(pair, point):
     _, design = PAIRS[pair]
     overrides = CONFIGS[point["config"]]
     model = build_model("toy", overrides, "cpu", point["dtype"])
-    ours = run_point(model, preset="toy", overrides=overrides, dtype=point["dtype"], strategy=point["strategy"],
-                     num_beams=BEAMS, device="cpu", **design, **SIZE)
+    ours = run_point(
+        model,
+        preset="toy",
+        overrides=overrides,
+        dtype=point["dtype"],
+        strategy=point["strategy"],
+        num_beams=BEAMS,
+        device="cpu",
+        **design,
+        **SIZE,
+    )
     assert ours["overhead_bytes"] == pytest.approx(real["overhead_bytes"], rel=0.01)
 
     assert weights_digest(model) == real["weights_sha256"]  # else equal tokens could not be asked for
@@ -157,12 +187,13 @@ def test_kvlab_loop_matches_the_release(pair, point):
         # steps, and each release breaks such ties in its own topk order: 4.42.4, 5.x dynamic and 5.x static
         # already disagree among themselves here, so no loop can be held to one release's tokens.
         return
-    prompt = torch.randint(0, model.config.vocab_size, (SIZE["batch"], SIZE["prompt"]),
-                           generator=torch.Generator().manual_seed(0))
+    prompt = torch.randint(
+        0, model.config.vocab_size, (SIZE["batch"], SIZE["prompt"]), generator=torch.Generator().manual_seed(0)
+    )
     out = generate(model, prompt, SIZE["new"], strategy=point["strategy"], num_beams=BEAMS, **design)
     rows = out.tokens[::BEAMS] if point["strategy"] == "beam" else out.tokens  # the best beam comes first
     assert_varied(real["tokens"])
-    assert rows[:, SIZE["prompt"]:].tolist() == real["tokens"]
+    assert rows[:, SIZE["prompt"] :].tolist() == real["tokens"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -190,18 +221,24 @@ def test_kvlab_matches_the_release_where_the_releases_differ_most(name):
 @pytest.mark.slow
 def test_mistral_minimal_improvement_measured_on_both_releases_beside_theory():
     point = reference.SHOWCASE["minimal-after"]
-    expected = theory.improvement_factors(build_config(point["preset"]), batch=reference.SHOWCASE_COMMON["batch"],
-                                          prompt=point["prompt"], dtype=reference.SHOWCASE_COMMON["dtype"])[0]
+    expected = theory.improvement_factors(
+        build_config(point["preset"]),
+        batch=reference.SHOWCASE_COMMON["batch"],
+        prompt=point["prompt"],
+        dtype=reference.SHOWCASE_COMMON["dtype"],
+    )[0]
     for kind in ("kvlab", "reference"):
         factor = showcase("minimal-before", kind)["overhead_bytes"] / showcase("minimal-after", kind)["overhead_bytes"]
         assert factor == pytest.approx(expected, rel=0.01), kind
 
 
 def test_a_reference_restart_passes_back_what_the_release_returned():
-    for params, message in ((dict(cache="dynamic", loop="v4.42"), "restart_from=tuples"),
-                            (dict(cache="dynamic", loop="v5", restart_from="tuples"), "tuple/v4.40, or dynamic/v4.42"),
-                            (dict(cache="tuple", loop="v4.40", strategy="beam"), "greedy"),
-                            (dict(cache="tuple", loop="v4.40", restart_from="tuples", kind="kvlab"), "choose cache dynamic")):
+    for params, message in (
+        (dict(cache="dynamic", loop="v4.42"), "restart_from=tuples"),
+        (dict(cache="dynamic", loop="v5", restart_from="tuples"), "tuple/v4.40, or dynamic/v4.42"),
+        (dict(cache="tuple", loop="v4.40", strategy="beam"), "greedy"),
+        (dict(cache="tuple", loop="v4.40", restart_from="tuples", kind="kvlab"), "choose cache dynamic"),
+    ):
         with pytest.raises(ValueError, match=message):
             normalize(**dict(dict(kind="reference", restart_new=4), **params))
     with pytest.raises(ValueError, match="choose one of: 4.40.1, 4.42.4"):

@@ -13,21 +13,22 @@ import torch
 from transformers.cache_utils import DynamicCache
 
 from kvlab import theory
-from kvlab.caches import cache_bytes
-from kvlab.lab.point import run_point
-from kvlab.releases import INSTALLED
-from kvlab.lab.reference import measure_references
-from kvlab.caches import make_cache, sliding_windows
-from kvlab.loops import generate
+from kvlab.caches import cache_bytes, make_cache, sliding_windows
 from kvlab.configs import build_config
+from kvlab.lab.point import run_point
+from kvlab.lab.reference import measure_references
+from kvlab.loops import generate
 from kvlab.models import assert_varied, build_model, kv_bytes_per_token
+from kvlab.releases import INSTALLED
 
 WINDOW = 64
 # (preset, overrides, prompt): every prompt is longer than the window; Qwen3-8B is all full attention.
-TWINS = {"mistral": ("mistral-7b-v0.1-twin", f"sliding_window={WINDOW}", 100),
-         "gemma3": ("gemma-3-4b-twin", f"sliding_window={WINDOW}", 100),
-         "qwen3": ("qwen3-8b-twin", "", 100),
-         "gpt-oss": ("gpt-oss-20b-twin", "", 200)}  # its own window (128): eager attention makes long prompts slow
+TWINS = {
+    "mistral": ("mistral-7b-v0.1-twin", f"sliding_window={WINDOW}", 100),
+    "gemma3": ("gemma-3-4b-twin", f"sliding_window={WINDOW}", 100),
+    "qwen3": ("qwen3-8b-twin", "", 100),
+    "gpt-oss": ("gpt-oss-20b-twin", "", 200),
+}  # its own window (128): eager attention makes long prompts slow
 NEW = 60  # past the plateau: every sliding layer holds its window by step 24 at the latest, and prealloc's
 # window buffer (W - 1 + 32 = 95 slots) fills and moves to its front at every prompt of WINDOW_PROMPTS
 QUICK_NEW = 20  # make test's points: the prompt is past the window already, so the first decode step plateaus
@@ -38,8 +39,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def test_presets_keep_the_public_layouts_and_their_twins_scale_the_widths():
-    mistral, gemma, oss, qwen = (build_config(name) for name in ("mistral-7b-v0.1", "gemma-3-4b", "gpt-oss-20b",
-                                                                 "qwen3-8b"))
+    mistral, gemma, oss, qwen = (
+        build_config(name) for name in ("mistral-7b-v0.1", "gemma-3-4b", "gpt-oss-20b", "qwen3-8b")
+    )
     assert sliding_windows(mistral) == [4096] * 32
     assert sliding_windows(gemma) == ([1024] * 5 + [None]) * 5 + [1024] * 4  # 5 sliding, then 1 full; 34 layers
     assert sliding_windows(oss) == [128, None] * 12 and oss.num_local_experts == 32
@@ -56,7 +58,8 @@ def test_v5_dynamic_picks_the_layers_transformers_dynamic_cache_picks(preset):
     model = build_model(preset, dtype="bfloat16")
     ours, theirs = make_cache("dynamic", model).layers, DynamicCache(config=model.config).layers
     assert [getattr(layer, "sliding_window", None) for layer in ours] == [
-        getattr(layer, "sliding_window", None) for layer in theirs]
+        getattr(layer, "sliding_window", None) for layer in theirs
+    ]
     assert [layer.is_sliding for layer in ours] == [layer.is_sliding for layer in theirs]
 
 
@@ -67,17 +70,40 @@ def test_a_sliding_layer_keeps_the_prefill_buffer_until_the_first_decode_step():
     for new, held in ((1, prompt), (2, WINDOW), (30, WINDOW)):  # storages: P after the prefill, then the window
         kv = generate(model, ids, new, cache="dynamic", loop="v5").cache
         assert cache_bytes(kv) == held * token, new
-        assert theory.breakdown(model.config, cache="dynamic", loop="v5", batch=1, prompt=prompt, new=new)[
-            "cache_tokens_per_layer"] == f"{held} x 32"
+        assert (
+            theory.breakdown(model.config, cache="dynamic", loop="v5", batch=1, prompt=prompt, new=new)[
+                "cache_tokens_per_layer"
+            ]
+            == f"{held} x 32"
+        )
     v440 = generate(model, ids, 30, cache="dynamic", loop="v4.40").cache  # 4.40.1's SDPA path grew it in full
     assert cache_bytes(v440) == (prompt + 29) * token
 
 
 def _theory_point(twin, dtype, strategy, cache="dynamic", loop="v5", new=NEW):
     preset, overrides, prompt = TWINS[twin]
-    record = run_point(preset=preset, overrides=overrides, cache=cache, loop=loop, dtype=dtype, strategy=strategy,
-                       batch=1, prompt=prompt, new=new, num_beams=3, device="cpu", timing=False)
-    assert abs(record["prediction_error"]) <= TOLERANCE, (twin, cache, loop, dtype, strategy, record["prediction_error"])
+    record = run_point(
+        preset=preset,
+        overrides=overrides,
+        cache=cache,
+        loop=loop,
+        dtype=dtype,
+        strategy=strategy,
+        batch=1,
+        prompt=prompt,
+        new=new,
+        num_beams=3,
+        device="cpu",
+        timing=False,
+    )
+    assert abs(record["prediction_error"]) <= TOLERANCE, (
+        twin,
+        cache,
+        loop,
+        dtype,
+        strategy,
+        record["prediction_error"],
+    )
 
 
 @pytest.mark.parametrize("twin, strategy", [("mistral", "beam"), ("gemma3", "greedy")])
@@ -89,14 +115,29 @@ def test_theory_of_the_sliding_twins_within_one_percent(twin, strategy):
 # prompt is short and the experts wide (an override, as the real 20B's 2880 is 30 times its heads' width), and
 # the decode steps' scores when the generation is long. Four layers (two of each kind) where the peak is in the
 # prompt's forward; all 24 where the cache must outgrow the logits (that long run in make test-all).
-@pytest.mark.parametrize("overrides, prompt, new, cache, loop, dtype, strategy, where", [
-    ("num_hidden_layers=4", 140, 3, "dynamic", "v5", "bfloat16", "beam", "step 0 (attention)"),
-    ("num_hidden_layers=4,intermediate_size=1920", 16, 3, "prealloc", "v5", "float32", "greedy", "step 0 (mlp)"),
-    pytest.param("", 16, 60, "tuple", "v4.40", "float32", "greedy", "step 59 (attention)", marks=pytest.mark.slow)])
-def test_theory_of_gpt_oss_attention_and_experts_within_one_percent(overrides, prompt, new, cache, loop, dtype,
-                                                                    strategy, where):
-    _theory_peak("gpt-oss-20b-twin", overrides, where, cache=cache, loop=loop, dtype=dtype, strategy=strategy,
-                 batch=1, prompt=prompt, new=new)
+@pytest.mark.parametrize(
+    "overrides, prompt, new, cache, loop, dtype, strategy, where",
+    [
+        ("num_hidden_layers=4", 140, 3, "dynamic", "v5", "bfloat16", "beam", "step 0 (attention)"),
+        ("num_hidden_layers=4,intermediate_size=1920", 16, 3, "prealloc", "v5", "float32", "greedy", "step 0 (mlp)"),
+        pytest.param("", 16, 60, "tuple", "v4.40", "float32", "greedy", "step 59 (attention)", marks=pytest.mark.slow),
+    ],
+)
+def test_theory_of_gpt_oss_attention_and_experts_within_one_percent(
+    overrides, prompt, new, cache, loop, dtype, strategy, where
+):
+    _theory_peak(
+        "gpt-oss-20b-twin",
+        overrides,
+        where,
+        cache=cache,
+        loop=loop,
+        dtype=dtype,
+        strategy=strategy,
+        batch=1,
+        prompt=prompt,
+        new=new,
+    )
 
 
 def _theory_peak(preset, overrides, where, **point):
@@ -113,12 +154,27 @@ def _theory_peak(preset, overrides, where, **point):
 LONG_PROMPT = ["sliding_window=64", "num_hidden_layers=2", "intermediate_size=128"]
 
 
-@pytest.mark.parametrize("cache, strategy, batch, where", [
-    ("dynamic", "greedy", 1, "step 0 (mask)"), ("dynamic", "beam", 1, "step 0 (attention)"),
-    ("prealloc", "greedy", 2, "step 0 (attention)")])
+@pytest.mark.parametrize(
+    "cache, strategy, batch, where",
+    [
+        ("dynamic", "greedy", 1, "step 0 (mask)"),
+        ("dynamic", "beam", 1, "step 0 (attention)"),
+        ("prealloc", "greedy", 2, "step 0 (attention)"),
+    ],
+)
 def test_theory_of_a_prompt_far_past_the_window(cache, strategy, batch, where):
-    _theory_peak("mistral-7b-v0.1-twin", LONG_PROMPT, where, cache=cache, loop="v5", strategy=strategy, batch=batch,
-                 prompt=1500, new=3, dtype="bfloat16")
+    _theory_peak(
+        "mistral-7b-v0.1-twin",
+        LONG_PROMPT,
+        where,
+        cache=cache,
+        loop="v5",
+        strategy=strategy,
+        batch=batch,
+        prompt=1500,
+        new=3,
+        dtype="bfloat16",
+    )
 
 
 # make test-all's points: each dtype and each strategy once per twin (their terms are independent in theory: fp32
@@ -154,17 +210,29 @@ def _against_the_real_5x(preset, overrides, prompt, points, new=40):
 
 
 def test_kvlab_v5_dynamic_matches_the_real_5x_on_the_mistral_twin():
-    _against_the_real_5x("mistral-7b-v0.1-twin", f"sliding_window={WINDOW}", 100,
-                         [dict(dtype="bfloat16", strategy="greedy")], new=QUICK_NEW)
+    _against_the_real_5x(
+        "mistral-7b-v0.1-twin",
+        f"sliding_window={WINDOW}",
+        100,
+        [dict(dtype="bfloat16", strategy="greedy")],
+        new=QUICK_NEW,
+    )
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("preset, overrides, prompt", [
-    ("mistral-7b-v0.1-twin", f"sliding_window={WINDOW}", 100), ("gemma-3-4b-twin", f"sliding_window={WINDOW}", 100),
-    ("gpt-oss-20b-twin", "num_hidden_layers=4", 200), ("qwen3-8b-twin", "", 100)])  # GPT-OSS: two layers of each kind
+@pytest.mark.parametrize(
+    "preset, overrides, prompt",
+    [
+        ("mistral-7b-v0.1-twin", f"sliding_window={WINDOW}", 100),
+        ("gemma-3-4b-twin", f"sliding_window={WINDOW}", 100),
+        ("gpt-oss-20b-twin", "num_hidden_layers=4", 200),
+        ("qwen3-8b-twin", "", 100),
+    ],
+)  # GPT-OSS: two layers of each kind
 def test_kvlab_v5_dynamic_matches_the_real_5x_on_every_twin(preset, overrides, prompt):
-    _against_the_real_5x(preset, overrides, prompt, [dict(dtype=dtype, strategy=strategy) for dtype, strategy in
-                                                     DTYPE_STRATEGY])
+    _against_the_real_5x(
+        preset, overrides, prompt, [dict(dtype=dtype, strategy=strategy) for dtype, strategy in DTYPE_STRATEGY]
+    )
 
 
 # kvlab's `prealloc` on a sliding layer (caches.WindowLayer): a buffer of W - 1 + block_tokens slots. Prompts: shorter
@@ -175,8 +243,21 @@ WINDOW_PROMPTS = (40, 80, 100)
 
 def _prealloc_point(twin, prompt, dtype, strategy, new):
     preset, overrides, _ = TWINS[twin]
-    record = run_point(preset=preset, overrides=overrides, cache="prealloc", loop="v5", dtype=dtype, strategy=strategy,
-                       batch=1, prompt=prompt, new=new, num_beams=3, block_tokens=BLOCK, device="cpu", timing=False)
+    record = run_point(
+        preset=preset,
+        overrides=overrides,
+        cache="prealloc",
+        loop="v5",
+        dtype=dtype,
+        strategy=strategy,
+        batch=1,
+        prompt=prompt,
+        new=new,
+        num_beams=3,
+        block_tokens=BLOCK,
+        device="cpu",
+        timing=False,
+    )
     tolerance = 0.001 if (dtype, strategy) == ("float32", "greedy") else 0.005  # as tests/test_theory.py holds it
     assert abs(record["prediction_error"]) <= tolerance, (twin, prompt, dtype, strategy, record["prediction_error"])
 
@@ -192,9 +273,11 @@ def test_prealloc_holds_a_window_buffer_per_sliding_layer_as_theory_says():
         full_slots = -(-(prompt + 1) // BLOCK) * BLOCK  # a full layer grows in blocks
         held = (WINDOW - 1 + BLOCK) * (layers - full) + full_slots * full
         assert cache_bytes(kv) == held * token, prompt
-        assert theory.breakdown(model.config, cache="prealloc", loop="v5", batch=1, prompt=prompt, new=2,
-                              block_tokens=BLOCK)["cache_tokens_per_layer"] == " + ".join(
-            f"{n} x {c}" for n, c in sorted({WINDOW - 1 + BLOCK: layers - full, full_slots: full}.items()))
+        assert theory.breakdown(
+            model.config, cache="prealloc", loop="v5", batch=1, prompt=prompt, new=2, block_tokens=BLOCK
+        )["cache_tokens_per_layer"] == " + ".join(
+            f"{n} x {c}" for n, c in sorted({WINDOW - 1 + BLOCK: layers - full, full_slots: full}.items())
+        )
 
 
 def test_theory_of_prealloc_on_a_sliding_twin_as_its_window_moves():
@@ -212,8 +295,19 @@ def test_theory_of_prealloc_on_the_sliding_twins(twin, prompt, dtype, strategy):
 def test_a_gemma3_image_text_config_json_builds_its_text_decoder(tmp_path, capsys):
     """A config.json as Gemma-3's checkpoints publish it: model_type gemma3, the text decoder under text_config."""
     from transformers import Gemma3Config
-    text = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=1,
-                head_dim=32, vocab_size=500, sliding_window=16, query_pre_attn_scalar=1, initializer_range=0.1)
+
+    text = dict(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        vocab_size=500,
+        sliding_window=16,
+        query_pre_attn_scalar=1,
+        initializer_range=0.1,
+    )
     path = tmp_path / "config.json"
     path.write_text(json.dumps(Gemma3Config(text_config=text).to_dict()))
     model = build_model(str(path))

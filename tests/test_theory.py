@@ -34,11 +34,20 @@ def test_every_cache_dominated_point_is_predicted_within_the_claim(cache_dominat
         assert abs(record["prediction_error"]) <= GREEDY_TOLERANCE, (design, record["prediction_error"])
 
 
-@pytest.mark.parametrize("design", DESIGNS, ids=[f"{c}-{l}" for c, l in DESIGNS])
+@pytest.mark.parametrize("design", DESIGNS, ids=[f"{cache}-{loop}" for cache, loop in DESIGNS])
 def test_bfloat16_points_are_predicted_within_the_claim(design):
     # bf16 is where the loops differ: v4.40/v4.42 upcast every prompt logit to fp32, v5 keeps one position.
-    record = run_point(preset="toy", overrides="num_key_value_heads=2", dtype="bfloat16", cache=design[0],
-                       loop=design[1], batch=4, prompt=64, new=32, timing=False)
+    record = run_point(
+        preset="toy",
+        overrides="num_key_value_heads=2",
+        dtype="bfloat16",
+        cache=design[0],
+        loop=design[1],
+        batch=4,
+        prompt=64,
+        new=32,
+        timing=False,
+    )
     assert abs(record["prediction_error"]) <= TOLERANCE, record["prediction_error"]
 
 
@@ -74,8 +83,7 @@ def test_the_two_fixes_have_separate_shares_at_step_two():
 
 def test_v5_computes_no_prompt_logits_where_v4_42_upcasts_them_all():
     # bf16: v4.42's peak holds the prompt's bf16 logits and their fp32 copy; v5 never computes them.
-    point = dict(preset="toy", overrides="vocab_size=32000", dtype="bfloat16", batch=2, prompt=256, new=2,
-                 timing=False)
+    point = dict(preset="toy", overrides="vocab_size=32000", dtype="bfloat16", batch=2, prompt=256, new=2, timing=False)
     v442 = run_point(cache="dynamic", loop="v4.42", **point)
     v5 = run_point(cache="dynamic", loop="v5", **point)
     prompt_logits = 2 * 256 * 32000 * (2 + 4)  # bf16 and their fp32 copy
@@ -114,16 +122,20 @@ def _reorder_transient(make, reorder):
 def test_tuple_reorder_layer_by_layer_needs_one_tensor_not_the_cache():
     layers, shape = 6, (4, 2, 100, 8)
     one_tensor = 4 * 2 * 100 * 8 * 4
-    pairs = lambda: TupleCache.from_tuples([(torch.randn(shape), torch.randn(shape)) for _ in range(layers)],  # noqa: E731
-                                           layers)
+    pairs = lambda: TupleCache.from_tuples(
+        [(torch.randn(shape), torch.randn(shape)) for _ in range(layers)],  # noqa: E731
+        layers,
+    )
     assert _reorder_transient(pairs, lambda kv, beam_idx: kv.reorder_cache(beam_idx)) == one_tensor
 
     # v4.40: `outputs` still holds the step's cache object around the old tensors: the whole cache again.
     def held_by_outputs():
         kv = pairs()
         return kv, KVCache.from_tuples(kv.to_tuples(), layers)
+
     assert _reorder_transient(held_by_outputs, lambda held, beam_idx: held[0].reorder_cache(beam_idx)) == (
-        2 * layers * one_tensor)
+        2 * layers * one_tensor
+    )
 
 
 @pytest.mark.parametrize("cache", ["dynamic", "list", "prealloc", "static"])
@@ -133,6 +145,7 @@ def test_cache_reorder_needs_at_most_one_tensor(toy, cache):
         with torch.inference_mode():
             toy(input_ids=torch.randint(0, 1000, (4, 30)), use_cache=True, **{cache_argument(toy): kv})
         return kv
+
     largest = max(t.untyped_storage().nbytes() for t in cache_tensors(make()))
     transient = _reorder_transient(make, lambda kv, beam_idx: kv.reorder_cache(beam_idx))
     assert 0 < transient <= largest
@@ -150,8 +163,9 @@ def test_restart_from_a_held_cache_costs_two_to_three_times(toy):
 
 def test_improvement_factors_bracket_the_measured_ratio(cache_dominated, toy):
     minimal, maximal = theory.improvement_factors(toy.config, batch=8, prompt=64, new=256, dtype="float32")
-    measured = (cache_dominated["tuple", "v4.40"]["overhead_bytes"]
-                / cache_dominated["dynamic", "v4.42"]["overhead_bytes"])
+    measured = (
+        cache_dominated["tuple", "v4.40"]["overhead_bytes"] / cache_dominated["dynamic", "v4.42"]["overhead_bytes"]
+    )
     assert 1 <= minimal <= measured <= maximal * 1.001 <= 2.001
 
 
@@ -202,8 +216,11 @@ def test_the_initialisation_changes_no_byte(toy):
 
 # data/today (kvlab.waste): transformers' own generate() measured at the 7B and long-context shapes.
 TODAY = Path(__file__).resolve().parent.parent / "data" / "today"
-GENERATE_OPTIONS = {"": {}, "cache_implementation=static": dict(cache="static"),
-                    "num_beams=4": dict(strategy="beam", num_beams=4)}
+GENERATE_OPTIONS = {
+    "": {},
+    "cache_implementation=static": dict(cache="static"),
+    "num_beams=4": dict(strategy="beam", num_beams=4),
+}
 TODAY_TOLERANCE = 0.0012  # the README's claim for these runs (the issue asks for 1 %)
 
 
@@ -212,8 +229,15 @@ def test_theory_predicts_every_stored_waste_point_and_its_prealloc_fix():
     for name, rows in table.groupby("point"):
         first = rows.iloc[0]
         config = build_config(first["preset"], first["overrides"].split())  # kvlab.waste writes "key=value key=value"
-        point = {"cache": "dynamic", "loop": "v5", "batch": int(first["batch"]), "prompt": int(first["prompt"]),
-                 "new": int(first["new"]), "dtype": first["dtype"], **GENERATE_OPTIONS[first["generate"]]}
+        point = {
+            "cache": "dynamic",
+            "loop": "v5",
+            "batch": int(first["batch"]),
+            "prompt": int(first["prompt"]),
+            "new": int(first["new"]),
+            "dtype": first["dtype"],
+            **GENERATE_OPTIONS[first["generate"]],
+        }
         weights = rows.loc[rows["term"] == "weights", "bytes"].item()
         peaks = {point["cache"]: rows.loc[rows["kind"] == "check", "bytes"].item()}  # generate()'s own
         fixed = rows[(rows["kind"] == "fix") & (rows["term"] == "prealloc")]
@@ -247,8 +271,11 @@ def test_theory_predicts_every_stored_kvlab_point_within_the_readmes_claim():
         table = table[(table.get("status", "ok") == "ok") & (table.get("kind", "kvlab") == "kvlab")]
         assert len(table), f"{path.parent.name}: no measured kvlab point"  # the claim is about every table
         for index, row in table.iterrows():
-            point = {key: int(row[key]) if key in counts else row[key]
-                     for key in theory.POINT_KEYS if key in row and pd.notna(row[key])}
+            point = {
+                key: int(row[key]) if key in counts else row[key]
+                for key in theory.POINT_KEYS
+                if key in row and pd.notna(row[key])
+            }
             overrides = row["overrides"] if pd.notna(row["overrides"]) else None  # as the record keeps them: "k=v,k=v"
             predicted = theory.predict_overhead(build_config(row["preset"], overrides), **point)
             error = row["overhead_bytes"] / predicted - 1
@@ -267,8 +294,9 @@ def test_every_stored_record_divides_by_the_final_kv_of_models():
         for _, row in table[table["kv_final_bytes"].notna()].iterrows():
             overrides = row["overrides"] if pd.notna(row["overrides"]) else None
             tokens = int(row["prompt"]) + int(row["new"]) + int(row.get("restart_new", 0) or 0)
-            expected = final_kv_bytes(build_config(row["preset"], overrides), int(row["batch"] * row["num_beams"]),
-                                      tokens, row["dtype"])
+            expected = final_kv_bytes(
+                build_config(row["preset"], overrides), int(row["batch"] * row["num_beams"]), tokens, row["dtype"]
+            )
             assert row["kv_final_bytes"] == expected, (path.parent.name, row["preset"], row["kv_final_bytes"])
             checked.add(path.parent.name)
     assert {"cpu", "meta", "twins", "reference"} <= checked  # the tables that store a final KV were read

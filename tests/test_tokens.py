@@ -11,9 +11,15 @@ from kvlab.models import assert_varied, build_model
 
 def reference(model, prompt, new, **kwargs):
     """transformers' own generate(), its generated tokens checked for variety first (assert_varied)."""
-    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new, min_new_tokens=new,
-                         do_sample=False, **kwargs)
-    assert_varied(out[:, prompt.shape[1]:])
+    out = model.generate(
+        prompt,
+        attention_mask=torch.ones_like(prompt),
+        max_new_tokens=new,
+        min_new_tokens=new,
+        do_sample=False,
+        **kwargs,
+    )
+    assert_varied(out[:, prompt.shape[1] :])
     return out
 
 
@@ -77,17 +83,27 @@ def test_restart_from_a_held_cache_continues_the_same_sequence(toy, prompt, cach
     whole = generate(toy, prompt, 20, cache=cache, cache_options={"max_cache_len": 32})
     first = generate(toy, prompt, 12, cache=cache, cache_options={"max_cache_len": 32})
     second = generate(toy, first.tokens, 8, cache=cache, past=first.cache)
-    assert_varied(whole.tokens[:, prompt.shape[1]:])
+    assert_varied(whole.tokens[:, prompt.shape[1] :])
     assert torch.equal(second.tokens, whole.tokens)
 
 
 def test_seeded_sampling_is_reproducible_and_cache_independent(toy, prompt):
-    runs = [generate(toy, prompt, 16, cache=cache, strategy="sample",
-                     sampling=Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7)).tokens
-            for cache in ("tuple", "dynamic", "prealloc")]
-    assert_varied(runs[0][:, prompt.shape[1]:])
+    runs = [
+        generate(
+            toy,
+            prompt,
+            16,
+            cache=cache,
+            strategy="sample",
+            sampling=Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7),
+        ).tokens
+        for cache in ("tuple", "dynamic", "prealloc")
+    ]
+    assert_varied(runs[0][:, prompt.shape[1] :])
     assert all(torch.equal(run, runs[0]) for run in runs)
-    other_seed = generate(toy, prompt, 16, strategy="sample", sampling=Sampling(temperature=0.8, top_k=20, seed=8)).tokens
+    other_seed = generate(
+        toy, prompt, 16, strategy="sample", sampling=Sampling(temperature=0.8, top_k=20, seed=8)
+    ).tokens
     assert not torch.equal(other_seed, runs[0])
 
 
@@ -110,6 +126,7 @@ def sliding_prompt(model):
 
 def test_make_cache_picks_the_sliding_layers_of_a_sliding_config(sliding_toy, toy):
     from kvlab.caches import CatLayer, PreallocLayer, SlidingCatLayer, WindowLayer
+
     assert {type(layer) for layer in make_cache("prealloc", sliding_toy).layers} == {WindowLayer}
     assert {type(layer) for layer in make_cache("dynamic", sliding_toy).layers} == {SlidingCatLayer}
     assert {type(layer) for layer in make_cache("prealloc", toy).layers} == {PreallocLayer}

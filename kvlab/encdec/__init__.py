@@ -52,8 +52,10 @@ def make_request(model, batch: int, encoder_length: int, seed: int = 0, ragged: 
     generator = torch.Generator().manual_seed(seed)
     if is_whisper(config):
         if encoder_length > config.max_source_positions:
-            raise ValueError(f"Whisper's encoder gives at most {config.max_source_positions} positions (30 s); "
-                             f"got encoder_length={encoder_length}")
+            raise ValueError(
+                f"Whisper's encoder gives at most {config.max_source_positions} positions (30 s); "
+                f"got encoder_length={encoder_length}"
+            )
         frames = 2 * config.max_source_positions  # the feature extractor pads every clip to 30 s
         features = torch.randn(batch, config.num_mel_bins, frames, generator=generator).to(device, model.dtype)
         return Request(batch, encoder_length, dict(input_features=features))
@@ -71,20 +73,27 @@ def encode(model, request: Request) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(encoder hidden states [batch, length, d_model], encoder mask or None): run once per request."""
     hidden = model.get_encoder()(**request.inputs).last_hidden_state
     if is_whisper(model):
-        hidden = hidden[:, :request.encoder_length]
+        hidden = hidden[:, : request.encoder_length]
     return hidden, request.inputs.get("attention_mask")
 
 
 def generate_reference(model, request: Request, new_tokens: int, whole_output: bool = False, **generate_kwargs):
     """transformers' own `generate()`, greedy, `new_tokens` steps (`whole_output`: its output with the cache).
     Whisper: the shared `GenerationMixin.generate`, without Whisper's language / timestamp logic."""
-    options = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, num_beams=1,
-                   return_dict_in_generate=whole_output, **generate_kwargs)
+    options = dict(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        num_beams=1,
+        return_dict_in_generate=whole_output,
+        **generate_kwargs,
+    )
     if is_whisper(model):
         hidden, _ = encode(model, request)
         start = torch.full((request.batch, 1), model.config.decoder_start_token_id, device=hidden.device)
-        out = GenerationMixin.generate(model, encoder_outputs=BaseModelOutput(last_hidden_state=hidden),
-                                       decoder_input_ids=start, **options)
+        out = GenerationMixin.generate(
+            model, encoder_outputs=BaseModelOutput(last_hidden_state=hidden), decoder_input_ids=start, **options
+        )
     else:
         out = model.generate(**request.inputs, **options)
     return out if whole_output else out[:, 1:]
@@ -104,20 +113,26 @@ def generate(model, request: Request, new_tokens: int, cache=None, *, step=None,
             cache = EncoderDecoderCache(DynamicCache(), DynamicCache())
         elif hasattr(cache, "for_request"):
             cache, hidden, mask = cache.for_request(request.batch, hidden, mask, new_tokens)
-        tokens = torch.full((hidden.shape[0], 1), model.config.decoder_start_token_id, dtype=torch.long,
-                            device=hidden.device)
+        tokens = torch.full(
+            (hidden.shape[0], 1), model.config.decoder_start_token_id, dtype=torch.long, device=hidden.device
+        )
         generated = []
         for index in range(new_tokens):
             logits = (decoder_step if step is None or index == 0 else step)(model, tokens, hidden, mask, cache)
             tokens = logits.argmax(-1, keepdim=True)
             generated.append(tokens)
             del logits
-        out = torch.cat(generated, dim=1)[:request.batch]
+        out = torch.cat(generated, dim=1)[: request.batch]
     return Decoded(out, cache, time.perf_counter() - started)
 
 
 def decoder_step(model, tokens, hidden, mask, cache) -> torch.Tensor:
     """One decoder forward over the last tokens; the next-token logits [batch, vocab]."""
-    outputs = model(encoder_outputs=(hidden,), attention_mask=mask, decoder_input_ids=tokens,
-                    use_cache=True, **{cache_argument(model): cache})
+    outputs = model(
+        encoder_outputs=(hidden,),
+        attention_mask=mask,
+        decoder_input_ids=tokens,
+        use_cache=True,
+        **{cache_argument(model): cache},
+    )
     return outputs.logits[:, -1]

@@ -42,14 +42,17 @@ class ReusedLayer(StaticLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         batch, length = key_states.shape[0], key_states.shape[2]
         if batch != self.batch_size:
-            raise ValueError(f"this request was bound to batch {self.batch_size} but the model sent batch {batch}; "
-                             f"call ReusableStaticCache.for_request() with the request's batch")
+            raise ValueError(
+                f"this request was bound to batch {self.batch_size} but the model sent batch {batch}; "
+                f"call ReusableStaticCache.for_request() with the request's batch"
+            )
         if self.cross and length != self.max_cache_len:
             raise ValueError(
                 f"encoder output of {length} positions for a cross-attention cache of {self.max_cache_len}: the "
                 f"{self.max_cache_len - length} unused positions would be attended to without a mask and change "
                 f"every score; pass the encoder output through ReusableStaticCache.for_request(), which narrows "
-                f"the cache to it or pads and masks it")
+                f"the cache to it or pads and masks it"
+            )
         return super().update(key_states, value_states, *args, **kwargs)
 
 
@@ -58,16 +61,30 @@ class ReusableStaticCache:
     `max_encoder_length` encoder positions, allocated here, once; `for_request` hands out the
     `EncoderDecoderCache` of one request."""
 
-    def __init__(self, config, max_batch: int, max_new_tokens: int, max_encoder_length: int, *,
-                 device="cpu", dtype=torch.float32, shapes: str = "exact"):
-        for name, value in (("max_batch", max_batch), ("max_new_tokens", max_new_tokens),
-                            ("max_encoder_length", max_encoder_length)):
+    def __init__(
+        self,
+        config,
+        max_batch: int,
+        max_new_tokens: int,
+        max_encoder_length: int,
+        *,
+        device="cpu",
+        dtype=torch.float32,
+        shapes: str = "exact",
+    ):
+        for name, value in (
+            ("max_batch", max_batch),
+            ("max_new_tokens", max_new_tokens),
+            ("max_encoder_length", max_encoder_length),
+        ):
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         check_choice("shapes", shapes, ("exact", "max"))
         if shapes == "max" and is_whisper(config):
-            raise ValueError("shapes='max' pads the encoder output and masks it, but Whisper's decoder passes no "
-                             "encoder mask to cross-attention; use shapes='exact'")
+            raise ValueError(
+                "shapes='max' pads the encoder output and masks it, but Whisper's decoder passes no "
+                "encoder mask to cross-attention; use shapes='exact'"
+            )
         self.max_batch, self.max_new_tokens, self.max_encoder_length = max_batch, max_new_tokens, max_encoder_length
         self.shapes = shapes
         layers, heads, head_dim = decoder_shape(config)
@@ -86,14 +103,18 @@ class ReusableStaticCache:
 
     def check(self, batch: int, encoder_length: int, new_tokens: int) -> None:
         """Refuse a request larger than the buffers, naming the limit, before anything runs."""
-        for name, value, limit in (("batch", batch, self.max_batch), ("encoder length", encoder_length,
-                                   self.max_encoder_length), ("new tokens", new_tokens, self.max_new_tokens)):
+        for name, value, limit in (
+            ("batch", batch, self.max_batch),
+            ("encoder length", encoder_length, self.max_encoder_length),
+            ("new tokens", new_tokens, self.max_new_tokens),
+        ):
             if value > limit:
-                raise ValueError(f"request {name} {value} exceeds this cache's maximum of {limit}; build the "
-                                 f"ReusableStaticCache with a larger max_{name.replace(' ', '_')}")
+                raise ValueError(
+                    f"request {name} {value} exceeds this cache's maximum of {limit}; build the "
+                    f"ReusableStaticCache with a larger max_{name.replace(' ', '_')}"
+                )
 
-    def for_request(self, batch: int, encoder_output: torch.Tensor, encoder_mask: torch.Tensor | None,
-                    new_tokens: int):
+    def for_request(self, batch: int, encoder_output: torch.Tensor, encoder_mask: torch.Tensor | None, new_tokens: int):
         """(cache, encoder output, encoder mask) to decode one request with; with `shapes="max"` the output is
         zero-padded to the maxima and the mask hides the padded positions (padded rows see every position, so
         no row is all masked; their tokens are dropped)."""
@@ -119,16 +140,23 @@ class ReusableStaticCache:
 # -- what goes wrong without it: transformers' StaticCache reused as is ----------------------------------
 def _scores(model, request, new_tokens, cache=None):
     """generate()'s tokens and scores; the cache under the forward's name (5.24: cache, 5.17: past_key_values)."""
-    out = model.generate(**request.inputs, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
-                         output_scores=True, return_dict_in_generate=True,
-                         **({cache_argument(model): cache} if cache is not None else {}))
+    out = model.generate(
+        **request.inputs,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        output_scores=True,
+        return_dict_in_generate=True,
+        **({cache_argument(model): cache} if cache is not None else {}),
+    )
     return out.sequences[:, 1:], torch.stack(out.scores)
 
 
 def static_cache_at_smaller_batch(model, max_batch: int, batch: int, encoder_length: int, new_tokens: int) -> str:
     """Fill transformers' `StaticCache` pair at `max_batch`, reset it, reuse it at `batch`: the error's text."""
-    cache = EncoderDecoderCache(StaticCache(model.config, max_cache_len=new_tokens),
-                                StaticCache(model.config, max_cache_len=encoder_length))
+    cache = EncoderDecoderCache(
+        StaticCache(model.config, max_cache_len=new_tokens), StaticCache(model.config, max_cache_len=encoder_length)
+    )
     _scores(model, make_request(model, max_batch, encoder_length), new_tokens, cache=cache)
     cache.reset()
     try:
@@ -145,13 +173,19 @@ def longer_cross_attention_cache(model, batch: int, encoder_length: int, cache_l
     request = make_request(model, batch, encoder_length)
     tokens, scores = _scores(model, request, new_tokens)
     pad = (0, cache_length - encoder_length)
-    padded = Request(batch, cache_length, dict(
-        input_ids=torch.nn.functional.pad(request.inputs["input_ids"], pad, value=model.config.pad_token_id),
-        attention_mask=torch.nn.functional.pad(request.inputs["attention_mask"], pad, value=0)))
+    padded = Request(
+        batch,
+        cache_length,
+        dict(
+            input_ids=torch.nn.functional.pad(request.inputs["input_ids"], pad, value=model.config.pad_token_id),
+            attention_mask=torch.nn.functional.pad(request.inputs["attention_mask"], pad, value=0),
+        ),
+    )
     found = {}
     for name, used in (("unmasked", request), ("masked", padded)):
-        cache = EncoderDecoderCache(StaticCache(model.config, max_cache_len=new_tokens),
-                                    StaticCache(model.config, max_cache_len=cache_length))
+        cache = EncoderDecoderCache(
+            StaticCache(model.config, max_cache_len=new_tokens), StaticCache(model.config, max_cache_len=cache_length)
+        )
         other_tokens, other = _scores(model, used, new_tokens, cache=cache)
         found[f"{name}_max_abs_score_diff"] = (other - scores).abs().max().item()
         found[f"{name}_tokens_agree"] = (other_tokens == tokens).float().mean().item()

@@ -31,8 +31,9 @@ def cache_bytes(config, batch: int, positions: int, dtype) -> int:
     return kv_bytes_per_token(decoder, batch, str(dtype).removeprefix("torch.")) * positions
 
 
-def predicted_cache_bytes(config, dtype, mode: str, batch: int, encoder_length: int, new_tokens: int,
-                          max_batch: int, max_encoder_length: int) -> int:
+def predicted_cache_bytes(
+    config, dtype, mode: str, batch: int, encoder_length: int, new_tokens: int, max_batch: int, max_encoder_length: int
+) -> int:
     """The cache a request holds at its end: reused, the buffers at the maxima; per call (hf-static, dynamic),
     self-attention over the `new_tokens` positions fed (the start token and every new token but the last) plus
     cross-attention over the encoder output."""
@@ -67,24 +68,56 @@ def serve(model, requests, mode: str, new_tokens: int) -> list[dict]:
         gc.collect()  # earlier requests' garbage freed inside the meter would lower the CUDA allocator's count
         with torch.no_grad(), MemoryMeter(model.device) as meter:
             if mode.startswith("reused") and reused is None:
-                reused = ReusableStaticCache(model.config, max_batch, new_tokens, max_encoder, device=model.device,
-                                             dtype=model.dtype, shapes="max" if mode == "reused-max" else "exact")
+                reused = ReusableStaticCache(
+                    model.config,
+                    max_batch,
+                    new_tokens,
+                    max_encoder,
+                    device=model.device,
+                    dtype=model.dtype,
+                    shapes="max" if mode == "reused-max" else "exact",
+                )
             tokens, cache = _serve_one(model, request, mode, new_tokens, reused)
         peak = meter.report().overhead_bytes
-        tensors = [t for part in (cache.self_attention_cache, cache.cross_attention_cache) for layer in part.layers
-                   for t in (layer.keys, layer.values) if t is not None]
+        tensors = [
+            t
+            for part in (cache.self_attention_cache, cache.cross_attention_cache)
+            for layer in part.layers
+            for t in (layer.keys, layer.values)
+            if t is not None
+        ]
         bases = {t.untyped_storage()._cdata: t if t._base is None else t._base for t in tensors}  # views' owners
-        rows.append(dict(
-            mode=mode, request=index, batch=request.batch, encoder_length=request.encoder_length,
-            new_tokens=new_tokens, max_batch=max_batch, max_encoder_length=max_encoder,
-            dtype=str(model.dtype).removeprefix("torch."), device=str(model.device),
-            meter=meter.report().method, held_bytes=held, peak_bytes=peak, footprint_bytes=held + peak,
-            new_cache_bytes=sum(b.untyped_storage().nbytes() for key, b in bases.items() if seen.get(key) is not b),
-            cache_bytes=sum(b.untyped_storage().nbytes() for b in bases.values()),
-            predicted_cache_bytes=predicted_cache_bytes(model.config, model.dtype, mode, request.batch,
-                                                        request.encoder_length, new_tokens, max_batch, max_encoder),
-            tokens=tokens.tolist(),
-            tokens_match=torch.equal(tokens, generate_reference(model, request, new_tokens))))
+        rows.append(
+            dict(
+                mode=mode,
+                request=index,
+                batch=request.batch,
+                encoder_length=request.encoder_length,
+                new_tokens=new_tokens,
+                max_batch=max_batch,
+                max_encoder_length=max_encoder,
+                dtype=str(model.dtype).removeprefix("torch."),
+                device=str(model.device),
+                meter=meter.report().method,
+                held_bytes=held,
+                peak_bytes=peak,
+                footprint_bytes=held + peak,
+                new_cache_bytes=sum(b.untyped_storage().nbytes() for key, b in bases.items() if seen.get(key) is not b),
+                cache_bytes=sum(b.untyped_storage().nbytes() for b in bases.values()),
+                predicted_cache_bytes=predicted_cache_bytes(
+                    model.config,
+                    model.dtype,
+                    mode,
+                    request.batch,
+                    request.encoder_length,
+                    new_tokens,
+                    max_batch,
+                    max_encoder,
+                ),
+                tokens=tokens.tolist(),
+                tokens_match=torch.equal(tokens, generate_reference(model, request, new_tokens)),
+            )
+        )
         seen.update(bases)
         del cache, tensors, bases
     return rows
@@ -97,14 +130,25 @@ def count_graphs(model, requests, mode: str, new_tokens: int, backend: str = "ea
     costs a minute of C++ compilation per graph. Not `dynamic`: its cache changes shape every step."""
     from torch._dynamo.utils import counters
     from transformers.generation.configuration_utils import CompileConfig
+
     check_choice("mode", mode, MODES[:3])
     torch._dynamo.reset()
     step = torch.compile(decoder_step, backend=backend)
     config = CompileConfig(backend=backend, mode="default")
     config._compile_all_devices = True  # generate() compiles only on accelerators unless told
-    reused = None if mode == "hf-static" else ReusableStaticCache(
-        model.config, max(r.batch for r in requests), new_tokens, max(r.encoder_length for r in requests),
-        device=model.device, dtype=model.dtype, shapes="max" if mode == "reused-max" else "exact")
+    reused = (
+        None
+        if mode == "hf-static"
+        else ReusableStaticCache(
+            model.config,
+            max(r.batch for r in requests),
+            new_tokens,
+            max(r.encoder_length for r in requests),
+            device=model.device,
+            dtype=model.dtype,
+            shapes="max" if mode == "reused-max" else "exact",
+        )
+    )
     graphs = []
     for request in requests:
         before = counters["stats"]["unique_graphs"]

@@ -41,10 +41,13 @@ class ProfilerMeter(ProfiledAllocations, Meter):
         # event up to its time, with the live bytes then and the peak since the last mark.
         live = [0, *itertools.accumulate(nbytes for _, nbytes in self.events)]
         ends = [bisect.bisect_right(self.times, mark) for mark in self.marks]
-        timeline = [StepMemory(step, live[end], max(live[start:end + 1]))
-                    for step, (start, end) in enumerate(zip([0, *ends], ends))]
-        self._report = MemoryReport("cpu", "profiler", self.weights, self.weights + self.peak_bytes, None,
-                                    timeline, {"weights": self.weights})
+        timeline = [
+            StepMemory(step, live[end], max(live[start : end + 1]))
+            for step, (start, end) in enumerate(zip([0, *ends], ends))
+        ]
+        self._report = MemoryReport(
+            "cpu", "profiler", self.weights, self.weights + self.peak_bytes, None, timeline, {"weights": self.weights}
+        )
         return False
 
 

@@ -32,6 +32,7 @@ def measure(model=None, **params):
     """Measure one point: (flat record, the meter's full report with timeline and split).
     A reference point runs in its own process: the report is None and `model` is not used."""
     from ..graphs import GRAPH_RUNTIMES, build_graphs
+
     p = normalize(**params)
     if not p["force"]:  # refuse a point predicted not to fit, before allocating anything
         check_fits(p, model if p["kind"] == "kvlab" else None)
@@ -40,8 +41,11 @@ def measure(model=None, **params):
         point = dict({key: p[key] for key in REFERENCE_KEYS}, cache_implementation=implementation)
         real = measure_references(version, [point])[0]
         # Provenance of this process, with the versions the subprocess really ran.
-        origin = dict(provenance(p["device"]), transformers_version=real["transformers_version"],
-                      torch_version=real["torch_version"])
+        origin = dict(
+            provenance(p["device"]),
+            transformers_version=real["transformers_version"],
+            torch_version=real["torch_version"],
+        )
         return _record(p, load_config(p["preset"], p["overrides"]), real, None, origin), None
     if model is None:
         model = build_model(p["preset"], p["overrides"], p["device"], p["dtype"], p["seed"])
@@ -50,10 +54,18 @@ def measure(model=None, **params):
         prompt = torch.empty((p["batch"], p["prompt"]), dtype=torch.long, device="meta")
     else:
         prompt = random_prompt(model.config.vocab_size, p["batch"], p["prompt"], p["seed"]).to(p["device"])
-    options = dict(cache=p["cache"], loop=p["loop"], strategy=p["strategy"], num_beams=p["num_beams"],
-                   sampling=Sampling(temperature=0.7, top_k=50, top_p=0.9, seed=p["seed"]),
-                   cache_options=dict(chunk_limit=p["chunk_limit"], block_tokens=p["block_tokens"],
-                                      max_cache_len=p["prompt"] + p["new"] + p["restart_new"] - 1))
+    options = dict(
+        cache=p["cache"],
+        loop=p["loop"],
+        strategy=p["strategy"],
+        num_beams=p["num_beams"],
+        sampling=Sampling(temperature=0.7, top_k=50, top_p=0.9, seed=p["seed"]),
+        cache_options=dict(
+            chunk_limit=p["chunk_limit"],
+            block_tokens=p["block_tokens"],
+            max_cache_len=p["prompt"] + p["new"] + p["restart_new"] - 1,
+        ),
+    )
     # Trace or export before the meter starts (its time is recorded apart).
     graphs = build_graphs(model, prompt, p["new"], p["runtime"]) if p["runtime"] != "eager" else None
     if p["runtime"] in GRAPH_RUNTIMES or torch.device(p["device"]).type == "cuda":
@@ -62,6 +74,7 @@ def measure(model=None, **params):
         gc.collect()
     if p["runtime"] in GRAPH_RUNTIMES:  # the meter that sees inside the graph
         from ..graphs.meter import graph_meter
+
         meter = graph_meter(p["device"], model)
     else:
         meter = MemoryMeter(p["device"], model, track_storages=p["track_storages"])
@@ -72,14 +85,20 @@ def measure(model=None, **params):
     if p["timing"]:
         # The live-storage counter and the profiler run Python at every op and slow designs unequally: time a
         # run without them. The CUDA allocator's counters cost nothing: there the measured run is the timed one.
-        seconds = (metered_seconds if report.method == "cuda-allocator"
-                   else _decode(model, prompt, p, options, None, graphs))
+        seconds = (
+            metered_seconds if report.method == "cuda-allocator" else _decode(model, prompt, p, options, None, graphs)
+        )
     at_peak = report.at_peak if p["track_storages"] else {}
-    measured = dict(meter=report.method, overhead_bytes=report.overhead_bytes,
-                    **{key: getattr(report, key) for key in ("baseline_bytes", "peak_bytes", "reserved_peak_bytes",
-                                                             "storages_peak_bytes")},
-                    **{f"{part}_at_peak_bytes": at_peak.get(part) for part in ("kv", "logits", "other")},
-                    graph_build_seconds=round(graphs.build_seconds, 3) if graphs and graphs.build_seconds else None)
+    measured = dict(
+        meter=report.method,
+        overhead_bytes=report.overhead_bytes,
+        **{
+            key: getattr(report, key)
+            for key in ("baseline_bytes", "peak_bytes", "reserved_peak_bytes", "storages_peak_bytes")
+        },
+        **{f"{part}_at_peak_bytes": at_peak.get(part) for part in ("kv", "logits", "other")},
+        graph_build_seconds=round(graphs.build_seconds, 3) if graphs and graphs.build_seconds else None,
+    )
     return _record(p, model.config, measured, seconds, provenance(p["device"])), report
 
 
@@ -88,19 +107,28 @@ def _record(p: dict, config, measured: dict, seconds: float | None, origin: dict
     kv_final = final_kv_bytes(config, p["batch"] * beams(p), p["prompt"] + p["new"] + p["restart_new"], p["dtype"])
     predicted = theory.predict_overhead(config, **{k: p[k] for k in theory.POINT_KEYS})
     overhead = measured["overhead_bytes"]
-    values = dict(measured, **origin, kv_final_bytes=kv_final, overhead_over_kv=round(overhead / kv_final, 4),
-                  predicted_overhead_bytes=predicted,
-                  prediction_error=round(overhead / predicted - 1, 4) if predicted else None,
-                  seconds=round(seconds, 4) if seconds else None,
-                  tokens_per_s=round(p["batch"] * (p["new"] + p["restart_new"]) / seconds, 2) if seconds else None)
-    return dict({key: p[key] for key in RECORD_PARAMETERS}, num_beams=beams(p),
-                **{key: values.get(key) for key in RECORD_FIELDS})
+    values = dict(
+        measured,
+        **origin,
+        kv_final_bytes=kv_final,
+        overhead_over_kv=round(overhead / kv_final, 4),
+        predicted_overhead_bytes=predicted,
+        prediction_error=round(overhead / predicted - 1, 4) if predicted else None,
+        seconds=round(seconds, 4) if seconds else None,
+        tokens_per_s=round(p["batch"] * (p["new"] + p["restart_new"]) / seconds, 2) if seconds else None,
+    )
+    return dict(
+        {key: p[key] for key in RECORD_PARAMETERS},
+        num_beams=beams(p),
+        **{key: values.get(key) for key in RECORD_FIELDS},
+    )
 
 
 def _decode(model, prompt, p, options, meter, graphs=None) -> float:
     """One run of the point (a restart included); returns the seconds spent decoding."""
     if p["runtime"] != "eager":
         from ..graphs import generate_graph
+
         return generate_graph(model, prompt, p["new"], p["runtime"], graphs, meter=meter).seconds
     first = generate(model, prompt, p["new"], meter=meter, **options)
     seconds = first.seconds

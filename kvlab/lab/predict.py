@@ -13,9 +13,9 @@ import re
 import torch
 
 from .. import theory
+from ..configs import DECODERS, is_hub_id, load_config
 from ..meter import weight_bytes
 from ..models import instantiate, parse_dtype
-from ..configs import DECODERS, is_hub_id, load_config
 from ..schema import DESIGNS, beams
 from .params import normalize
 
@@ -23,8 +23,20 @@ GIB = 2**30
 # Decoders whose layers kvlab.theory walks through (attention with grouped KV heads, gated MLP; GPT-OSS's eager
 # attention with sinks and its grouped_mm experts).
 MODELED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss")
-UNITS = {"": 1, "b": 1, "byte": 1, "bytes": 1, "kb": 10**3, "kib": 2**10, "mb": 10**6, "mib": 2**20,
-         "gb": 10**9, "gib": 2**30, "tb": 10**12, "tib": 2**40}
+UNITS = {
+    "": 1,
+    "b": 1,
+    "byte": 1,
+    "bytes": 1,
+    "kb": 10**3,
+    "kib": 2**10,
+    "mb": 10**6,
+    "mib": 2**20,
+    "gb": 10**9,
+    "gib": 2**30,
+    "tb": 10**12,
+    "tib": 2**40,
+}
 
 
 class Prediction(dict):
@@ -72,6 +84,7 @@ def free_bytes(device: str) -> int | None:
         return torch.cuda.mem_get_info(torch.device(device))[0]
     if kind == "cpu":
         import psutil
+
         return psutil.virtual_memory().available
     return None
 
@@ -89,8 +102,16 @@ def largest_new(fits, limit: int) -> int:
     return bisect.bisect_left(range(1, limit), True, key=lambda n: not fits(n))
 
 
-def predict(preset: str = "toy", *, memory=None, max_batch: bool = False, max_new: bool = False,
-            cache: str | None = None, loop: str | None = None, **point) -> Prediction:
+def predict(
+    preset: str = "toy",
+    *,
+    memory=None,
+    max_batch: bool = False,
+    max_new: bool = False,
+    cache: str | None = None,
+    loop: str | None = None,
+    **point,
+) -> Prediction:
     """The predicted peak of `generate()` for `preset` (a preset, a config.json or a hub id) before anything is
     allocated, under every (cache, loop) design of kvlab.schema.DESIGNS, those of one `cache` or `loop`, or exactly
     the pair given. `point`: batch, prompt, new, dtype, strategy, num_beams, restart_new, overrides (as `measure`).
@@ -108,15 +129,17 @@ def predict(preset: str = "toy", *, memory=None, max_batch: bool = False, max_ne
 
 def designs_for(cache: str | None, loop: str | None, p: dict) -> list[tuple[str, str]]:
     """Every design, those of one cache or loop, or exactly the (cache, loop) asked for (normalized in `p`)."""
-    designs = [(c, l) for c, l in DESIGNS if cache in (None, c) and loop in (None, l)]
+    designs = [design for design in DESIGNS if cache in (None, design[0]) and loop in (None, design[1])]
     return designs if designs and not (cache and loop) else [(p["cache"], p["loop"])]
 
 
 def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: bool) -> Prediction:
     config = load_config(p["preset"], p["overrides"])
     if config.model_type not in MODELED:
-        raise ValueError(f"{p['preset']}: model_type {config.model_type!r} is not modelled by kvlab.theory, which "
-                         f"models {', '.join(MODELED)} decoders; choose one of: {', '.join(DECODERS)}, or such a config")
+        raise ValueError(
+            f"{p['preset']}: model_type {config.model_type!r} is not modelled by kvlab.theory, which "
+            f"models {', '.join(MODELED)} decoders; choose one of: {', '.join(DECODERS)}, or such a config"
+        )
     weights = model_weight_bytes(config, p["dtype"])
     rows = []
     for cache, loop in designs:
@@ -129,16 +152,31 @@ def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: boo
             row["max_batch"] = max(0, (memory - weights) // one)
         if max_new:
             limit = config.max_position_embeddings - p["prompt"] - p["restart_new"]  # the positions left
-            row["max_new"] = largest_new(lambda n: weights + theory.predict_overhead(
-                config, **point_of(p, cache=cache, loop=loop, new=n)) <= memory, limit)
+            design = point_of(p, cache=cache, loop=loop)
+            row["max_new"] = largest_new(
+                lambda n, design=design: weights + theory.predict_overhead(config, **dict(design, new=n)) <= memory,
+                limit,
+            )
             row["max_new_is_context"] = row["max_new"] == limit
         rows.append(row)
-    sizes = {key: p[key] for key in ("preset", "overrides", "dtype", "strategy", "batch", "prompt", "new", "restart_new")}
-    model = {key: getattr(config, key, None) for key in ("model_type", "num_hidden_layers", "hidden_size",
-                                                         "num_attention_heads", "num_key_value_heads", "vocab_size")}
+    sizes = {
+        key: p[key] for key in ("preset", "overrides", "dtype", "strategy", "batch", "prompt", "new", "restart_new")
+    }
+    model = {
+        key: getattr(config, key, None)
+        for key in (
+            "model_type",
+            "num_hidden_layers",
+            "hidden_size",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "vocab_size",
+        )
+    }
     # num_beams as in a measured record: 1 unless the point searches beams.
-    return Prediction(**sizes, num_beams=beams(p), model=model, weights_bytes=weights, memory_bytes=memory,
-                      designs=rows)
+    return Prediction(
+        **sizes, num_beams=beams(p), model=model, weights_bytes=weights, memory_bytes=memory, designs=rows
+    )
 
 
 def format_prediction(result: dict) -> str:
@@ -150,31 +188,66 @@ def format_prediction(result: dict) -> str:
     fits = [f"fits in {gib(memory)} GiB"] if memory is not None else []
     first = r["designs"][0] if r["designs"] else {}
     inverse = [name for key, name in (("max_batch", "max batch"), ("max_new", "max new")) if key in first]
-    table = [["design", "peak GiB", "overhead GiB", "overhead/KV", "KV GiB", *fits, *inverse, "cache at the end: tokens x layers",
-              "peak at"]]
+    table = [
+        [
+            "design",
+            "peak GiB",
+            "overhead GiB",
+            "overhead/KV",
+            "KV GiB",
+            *fits,
+            *inverse,
+            "cache at the end: tokens x layers",
+            "peak at",
+        ]
+    ]
     for d in r["designs"]:
         answers = [str(d["max_batch"])] if "max_batch" in d else []
         if "max_new" in d:
             answers.append(f"{d['max_new']}{' (context)' if d['max_new_is_context'] else ''}")
-        table.append([f"{d['cache']}/{d['loop']}", gib(d["peak_bytes"]), gib(d["predicted_overhead_bytes"]),
-                      f"{d['overhead_over_kv']:.3f}", gib(d["kv_final_bytes"]),
-                      *(["yes" if d["fits"] else "NO"] if fits else []), *answers, d["cache_tokens_per_layer"],
-                      d["peak_at"]])
+        table.append(
+            [
+                f"{d['cache']}/{d['loop']}",
+                gib(d["peak_bytes"]),
+                gib(d["predicted_overhead_bytes"]),
+                f"{d['overhead_over_kv']:.3f}",
+                gib(d["kv_final_bytes"]),
+                *(["yes" if d["fits"] else "NO"] if fits else []),
+                *answers,
+                d["cache_tokens_per_layer"],
+                d["peak_at"],
+            ]
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
-    return "\n".join([
-        f"{name}: {m['model_type']}, {m['num_hidden_layers']} layers, hidden {m['hidden_size']}, "
-        f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads, vocab {m['vocab_size']}, {r['dtype']}",
-        f"batch {r['batch']}, prompt {r['prompt']}, {r['new']} new{restart}, {r['strategy']}{beams}; "
-        f"weights {gib(r['weights_bytes'])} GiB", "",
-        # the four numbers right-aligned, the rest left-aligned
-        *("  ".join(c.rjust(w) if 1 <= i <= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))).rstrip()
-          for row in table), "",
-        "peak = weights + overhead (kvlab.theory, live bytes above the weights); KV = prompt + new tokens in every "
-        "layer; cache at the end = what each layer's storage holds (5.x sliding layers stop at the window, "
-        "prealloc's at a buffer of window - 1 + block_tokens slots)",
-        *([f"max batch / max new: the largest batch (at {r['new']} new) and the longest generation (at batch "
-           f"{r['batch']}) each design fits in {gib(memory)} GiB; (context): the model's positions end first"]
-          if inverse else [])])
+    return "\n".join(
+        [
+            f"{name}: {m['model_type']}, {m['num_hidden_layers']} layers, hidden {m['hidden_size']}, "
+            f"{m['num_attention_heads']} heads / {m['num_key_value_heads']} KV heads, vocab {m['vocab_size']}, "
+            f"{r['dtype']}",
+            f"batch {r['batch']}, prompt {r['prompt']}, {r['new']} new{restart}, {r['strategy']}{beams}; "
+            f"weights {gib(r['weights_bytes'])} GiB",
+            "",
+            # the four numbers right-aligned, the rest left-aligned
+            *(
+                "  ".join(
+                    c.rjust(w) if 1 <= i <= 4 else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))
+                ).rstrip()
+                for row in table
+            ),
+            "",
+            "peak = weights + overhead (kvlab.theory, live bytes above the weights); KV = prompt + new tokens in every "
+            "layer; cache at the end = what each layer's storage holds (5.x sliding layers stop at the window, "
+            "prealloc's at a buffer of window - 1 + block_tokens slots)",
+            *(
+                [
+                    f"max batch / max new: the largest batch (at {r['new']} new) and the longest generation (at batch "
+                    f"{r['batch']}) each design fits in {gib(memory)} GiB; (context): the model's positions end first"
+                ]
+                if inverse
+                else []
+            ),
+        ]
+    )
 
 
 def check_fits(p: dict, model=None) -> None:
@@ -195,6 +268,8 @@ def check_fits(p: dict, model=None) -> None:
     overhead = theory.predict_overhead(config, **point_of(p))
     if weights + overhead > free:
         loaded = "weights already loaded" if model is not None else f"weights {format_bytes(weights)}"
-        raise TooBig(f"predicted peak {format_bytes(weights + overhead)} ({loaded} + overhead "
-                     f"{format_bytes(overhead)}) exceeds the {format_bytes(free)} free on {p['device']}; "
-                     f"pass --force (force=True) to try anyway")
+        raise TooBig(
+            f"predicted peak {format_bytes(weights + overhead)} ({loaded} + overhead "
+            f"{format_bytes(overhead)}) exceeds the {format_bytes(free)} free on {p['device']}; "
+            f"pass --force (force=True) to try anyway"
+        )

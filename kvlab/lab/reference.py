@@ -20,8 +20,19 @@ from ..releases import INSTALLED, RELEASES, ROOT, install_reference, release_val
 
 STRATEGIES = ("greedy", "beam")
 # A reference point's parameters: these of kvlab.lab.point's, with its defaults, and the cache_implementation.
-REFERENCE_KEYS = ("preset", "overrides", "batch", "prompt", "new", "restart_new", "dtype", "strategy", "num_beams",
-                  "device", "seed")
+REFERENCE_KEYS = (
+    "preset",
+    "overrides",
+    "batch",
+    "prompt",
+    "new",
+    "restart_new",
+    "dtype",
+    "strategy",
+    "num_beams",
+    "device",
+    "seed",
+)
 
 # Where the releases differ most, each run by kvlab's loop and by the release's own generate() (kind reference):
 # the 4.x forward's fp32 logits of every prompt position at the peak (the Llama-3-8B twin's 4008-token vocabulary),
@@ -30,8 +41,15 @@ REFERENCE_KEYS = ("preset", "overrides", "batch", "prompt", "new", "restart_new"
 # data/reference/; tests/test_reference.py holds each within 1 %.
 SHOWCASE = {
     "logits": dict(preset="llama3-8b-twin", cache="dynamic", loop="v4.42", prompt=300, new=8),
-    "restart": dict(preset="llama2-7b-twin", cache="dynamic", loop="v4.42", prompt=300, new=100, restart_new=50,
-                    restart_from="tuples"),
+    "restart": dict(
+        preset="llama2-7b-twin",
+        cache="dynamic",
+        loop="v4.42",
+        prompt=300,
+        new=100,
+        restart_new=50,
+        restart_from="tuples",
+    ),
     "minimal-before": dict(preset="mistral-7b-twin", cache="tuple", loop="v4.40", prompt=300, new=2),
     "minimal-after": dict(preset="mistral-7b-twin", cache="dynamic", loop="v4.42", prompt=300, new=2),
 }
@@ -42,22 +60,30 @@ def showcase_table(results):
     """SHOWCASE's rows (data/reference/results.csv as a DataFrame) side by side: per point, overhead / final KV by
     kvlab's loop and by the release's own generate(), their ratio, and the logits' share of kvlab's peak."""
     import pandas as pd
+
     ours = results[results["kind"] == "kvlab"].set_index("name")
     real = results[results["kind"] == "reference"].set_index("name").loc[ours.index]
-    return pd.DataFrame({"design": ours["cache"] + "/" + ours["loop"], "release": real["transformers_version"],
-                         "kvlab overhead/KV": ours["overhead_over_kv"], "release overhead/KV": real["overhead_over_kv"],
-                         "kvlab / release": ours["overhead_bytes"] / real["overhead_bytes"],
-                         "logits share of the peak": ours["logits_at_peak_bytes"] / ours["overhead_bytes"]}).round(4)
+    return pd.DataFrame(
+        {
+            "design": ours["cache"] + "/" + ours["loop"],
+            "release": real["transformers_version"],
+            "kvlab overhead/KV": ours["overhead_over_kv"],
+            "release overhead/KV": real["overhead_over_kv"],
+            "kvlab / release": ours["overhead_bytes"] / real["overhead_bytes"],
+            "logits share of the peak": ours["logits_at_peak_bytes"] / ours["overhead_bytes"],
+        }
+    ).round(4)
 
 
 def measure_references(version: str, points: list[dict]) -> list[dict]:
     """Run release `version`'s own `generate()` at each point (a dict of REFERENCE_KEYS and cache_implementation,
     the rest kvlab.lab.point's defaults) in one subprocess; return their measured records. The release is imported
     once, and each point still builds its own model and prompt."""
+    from ..configs import build_config, parse_overrides
     from ..loops import check_choice
     from ..models import attention_of, final_kv_bytes, parse_dtype, resolve_device
-    from ..configs import build_config, parse_overrides
     from ..schema import DEFAULTS, beams  # here, not above: the worker's process imports this module under old releases
+
     defaults = dict({key: DEFAULTS[key] for key in REFERENCE_KEYS}, cache_implementation=None)
     specs = []
     for point in points:
@@ -69,34 +95,47 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
         if p["cache_implementation"] is not None and version in RELEASES:
             raise ValueError(f"cache_implementation is for the installed 5.x; {version} only has its default cache")
         if p["restart_new"] and (version not in RELEASES or p["strategy"] != "greedy"):
-            raise ValueError(f"a restart passes back the tuples a 4.x release returns, greedy; choose one of: "
-                             f"{', '.join(RELEASES)}")
+            raise ValueError(
+                f"a restart passes back the tuples a 4.x release returns, greedy; choose one of: {', '.join(RELEASES)}"
+            )
         parse_dtype(p["dtype"])
         config = build_config(p["preset"], p["overrides"])  # raises on a bad preset or override, before any subprocess
         if version == INSTALLED:  # the same release: every value (layer_types, head_dim, experts, rope), as is
-            values = {key: value for key, value in config.to_dict().items() if not key.startswith("_")
-                      and key not in ("transformers_version", "architectures", "dtype", "model_type")}
+            values = {
+                key: value
+                for key, value in config.to_dict().items()
+                if not key.startswith("_")
+                and key not in ("transformers_version", "architectures", "dtype", "model_type")
+            }
         else:
             values = release_values(config)
         p["overrides"] = ",".join(f"{k}={v}" for k, v in parse_overrides(p["overrides"]).items())  # as kvlab's records
         p["num_beams"] = beams(p)
-        p["kv_final_bytes"] = final_kv_bytes(config, p["batch"] * p["num_beams"],
-                                             p["prompt"] + p["new"] + p["restart_new"], p["dtype"])
+        p["kv_final_bytes"] = final_kv_bytes(
+            config, p["batch"] * p["num_beams"], p["prompt"] + p["new"] + p["restart_new"], p["dtype"]
+        )
         specs.append(dict(p, model_type=config.model_type, config=values, attention=attention_of(config)))
     target = install_reference(version)
     path = [str(ROOT)] if target is None else [str(target), str(ROOT)]
     job = json.dumps(dict(version=version, points=specs))
-    result = subprocess.run([sys.executable, "-m", "kvlab.lab.reference", job],
-                            env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)), capture_output=True, text=True)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvlab.lab.reference", job],
+        env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)),
+        capture_output=True,
+        text=True,
+    )
     if result.returncode != 0:
         raise RuntimeError(f"transformers {version} run failed:\n{result.stderr[-3000:]}")
-    return [dict(record, overhead_over_kv=round(record["overhead_bytes"] / record["kv_final_bytes"], 4))
-            for record in json.loads(result.stdout.strip().splitlines()[-1])]
+    return [
+        dict(record, overhead_over_kv=round(record["overhead_bytes"] / record["kv_final_bytes"], 4))
+        for record in json.loads(result.stdout.strip().splitlines()[-1])
+    ]
 
 
 def weights_digest(model) -> str:
     """sha256 of every parameter's bytes in name order: equal digests mean identical weights."""
     import torch
+
     digest = hashlib.sha256()
     for name, tensor in sorted(model.named_parameters()):
         digest.update(name.encode())
@@ -115,8 +154,10 @@ def _worker(job: dict) -> list[dict]:
     # Memory does not depend on the thread count; one thread keeps OpenMP from spinning against
     # other processes on a small CPU (kvlab's sweep does the same).
     torch.set_num_threads(1)
-    return [dict(_measure_point(spec), transformers_version=version, torch_version=torch.__version__)
-            for spec in job["points"]]
+    return [
+        dict(_measure_point(spec), transformers_version=version, torch_version=torch.__version__)
+        for spec in job["points"]
+    ]
 
 
 def _measure_point(spec: dict) -> dict:
@@ -143,8 +184,14 @@ def _measure_point(spec: dict) -> dict:
     # The prompt kvlab.lab.point.measure draws; the prompt and its mask exist before the meter starts.
     ids = random_prompt(config.vocab_size, spec["batch"], spec["prompt"], spec["seed"]).to(spec["device"])
     mask = torch.ones_like(ids)
-    options = dict(max_new_tokens=spec["new"], min_new_tokens=spec["new"], do_sample=False,
-                   num_beams=spec["num_beams"], num_return_sequences=1, pad_token_id=0)
+    options = dict(
+        max_new_tokens=spec["new"],
+        min_new_tokens=spec["new"],
+        do_sample=False,
+        num_beams=spec["num_beams"],
+        num_return_sequences=1,
+        pad_token_id=0,
+    )
     if spec["num_beams"] > 1:
         options["early_stopping"] = True  # moot without EOS (no beam finishes); the length check below proves it
     if spec["cache_implementation"]:
@@ -156,18 +203,28 @@ def _measure_point(spec: dict) -> dict:
             # 4.x's generate() returns as tuples (4.42: return_legacy_cache=True by default).
             first = model.generate(ids, attention_mask=mask, return_dict_in_generate=True, **options)
             ids, more = first.sequences, spec["restart_new"]
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), past_key_values=first.past_key_values,
-                                 **dict(options, max_new_tokens=more, min_new_tokens=more))
+            out = model.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                past_key_values=first.past_key_values,
+                **dict(options, max_new_tokens=more, min_new_tokens=more),
+            )
             del first
         else:
             out = model.generate(ids, attention_mask=mask, **options)
     if out.shape != (spec["batch"], spec["prompt"] + spec["new"] + spec["restart_new"]):
         raise RuntimeError(f"generate() returned shape {tuple(out.shape)}, not (batch, prompt + new)")
-    report, tokens = meter.report(), out[:, spec["prompt"]:].tolist()
-    return dict({k: v for k, v in spec.items() if k not in ("model_type", "config", "attention")},
-                baseline_bytes=report.baseline_bytes, peak_bytes=report.peak_bytes,
-                overhead_bytes=report.overhead_bytes, meter=report.method, weights_sha256=weights_digest(model),
-                tokens_sha256=hashlib.sha256(json.dumps(tokens).encode()).hexdigest(), tokens=tokens)
+    report, tokens = meter.report(), out[:, spec["prompt"] :].tolist()
+    return dict(
+        {k: v for k, v in spec.items() if k not in ("model_type", "config", "attention")},
+        baseline_bytes=report.baseline_bytes,
+        peak_bytes=report.peak_bytes,
+        overhead_bytes=report.overhead_bytes,
+        meter=report.method,
+        weights_sha256=weights_digest(model),
+        tokens_sha256=hashlib.sha256(json.dumps(tokens).encode()).hexdigest(),
+        tokens=tokens,
+    )
 
 
 if __name__ == "__main__":  # the worker's entry point: measure_references runs `python -m kvlab.lab.reference JOB`

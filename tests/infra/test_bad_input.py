@@ -19,53 +19,71 @@ LOCAL = "no such file or folder"
 
 def cases(tmp: Path) -> list[tuple[list[str], str]]:
     """(arguments, a fragment the one line must contain)."""
-    return [
-        # argparse's own errors, one line as every other
-        ([], "kvlab: error: the following arguments are required: command"),
-        (["bogus"], "invalid choice: 'bogus'"),
-        (["measure", "--batch", "x"], "kvlab measure: error: argument --batch: invalid int value: 'x'"),
-        (["predict", "--new"], "argument --new: expected one argument"),
-        (["sweep", "--engine"], "kvlab sweep: error: argument --engine: expected one argument"),
-        # values
-        (["measure", "--cache", "paged"], "tuple, dynamic, list, static, prealloc"),
-        (["measure", "--device", "tpu"], "cpu, cuda, meta"),
-        (["measure", "--kind", "reference", "--device", "meta"], "the meta device cannot; choose one of: cpu, cuda"),
-        (["compare", "--preset", "nope", "--out", str(tmp / "never")], "unknown preset 'nope'; choose one of: toy"),
-        (["predict", "--memory", "0"], "memory size '0' is not positive"),
-        (["predict", "--memory", "0GiB"], "is not positive"),
-        (["predict", "--memory", "lots"], "GiB, GB, MiB, MB, bytes"),
-        # a preset a verb cannot run names the verb that can
-        (["measure", "--preset", "t5-small"], "t5-small is an encoder-decoder model: measure, predict, compare and "
-                                              "sweep run decoders; notebook 06 serves them"),
-        (["predict", "--preset", "whisper-tiny"], "notebook 06 serves them"),
-        (["compare", "--preset", "bart-base", "--out", str(tmp / "never")], "notebook 06 serves them"),
-        (["sweep", "--grid", "preset=t5-small", "--dry-run"], "notebook 06 serves them"),
-        # local paths, hub ids, configs
-        (["measure", "--preset", "./nonexistent/config.json"], f"./nonexistent/config.json: {LOCAL}"),
-        (["predict", "--preset", "nonexistent/config.json"], f"nonexistent/config.json: {LOCAL}"),
-        (["predict", "--preset", str(tmp / "no" / "such" / "folder")], LOCAL),
-        (["predict", "--preset", "nobody/no-such-model"], "not in the local Hugging Face cache"),
-        (["measure", "--preset", str(tmp / "rejected" / "config.json")],
-         "config.json: transformers refuses this config (Class validation error"),
-        (["predict", "--preset", str(tmp / "rejected")], "hidden size (64) is not a multiple of the number of attention"),
-        (["measure", "--preset", str(tmp / "torn.json")], "torn.json: not a JSON file (Unterminated string"),
-        (["measure", "--preset", str(tmp / "empty")], "a folder without a config.json"),
-        (["measure", "--preset", str(tmp / "good"), "--override", "tie_word_embeddings=7"],
-         "refuses the overrides {'tie_word_embeddings': 7}"),
-        (["measure", "--override", "rms_norm_eps=abc"], "refuses the overrides {'rms_norm_eps': 'abc'}"),
-        (["measure", "--override", "hidden_act=nope"], "transformers cannot build a llama model from this config"),
-        # waste: its points, then its folder, both before anything runs
-        (["waste", "7b-nope"], "unknown waste point '7b-nope'; choose from: 7b-greedy"),
-        (["waste", "growth", "7b-greedy"], "growth writes its own table; run it alone"),
-        (["waste", "--out", str(tmp / "torn.json")], "is a file; give a folder for the results"),
-        (["waste", "--out", str(tmp / "torn.json" / "below")], "below: Not a directory"),
-    ] + ([(["waste", "--out", str(tmp / "read-only" / "below")], "below: Permission denied")]
-         if os.geteuid() else []) + (  # root writes anywhere
-        [] if torch.cuda.is_available() else [(["measure", "--device", "cuda"], "no CUDA GPU is available")])
+    return (
+        [
+            # argparse's own errors, one line as every other
+            ([], "kvlab: error: the following arguments are required: command"),
+            (["bogus"], "invalid choice: 'bogus'"),
+            (["measure", "--batch", "x"], "kvlab measure: error: argument --batch: invalid int value: 'x'"),
+            (["predict", "--new"], "argument --new: expected one argument"),
+            (["sweep", "--engine"], "kvlab sweep: error: argument --engine: expected one argument"),
+            # values
+            (["measure", "--cache", "paged"], "tuple, dynamic, list, static, prealloc"),
+            (["measure", "--device", "tpu"], "cpu, cuda, meta"),
+            (
+                ["measure", "--kind", "reference", "--device", "meta"],
+                "the meta device cannot; choose one of: cpu, cuda",
+            ),
+            (["compare", "--preset", "nope", "--out", str(tmp / "never")], "unknown preset 'nope'; choose one of: toy"),
+            (["predict", "--memory", "0"], "memory size '0' is not positive"),
+            (["predict", "--memory", "0GiB"], "is not positive"),
+            (["predict", "--memory", "lots"], "GiB, GB, MiB, MB, bytes"),
+            # a preset a verb cannot run names the verb that can
+            (
+                ["measure", "--preset", "t5-small"],
+                "t5-small is an encoder-decoder model: measure, predict, compare and "
+                "sweep run decoders; notebook 06 serves them",
+            ),
+            (["predict", "--preset", "whisper-tiny"], "notebook 06 serves them"),
+            (["compare", "--preset", "bart-base", "--out", str(tmp / "never")], "notebook 06 serves them"),
+            (["sweep", "--grid", "preset=t5-small", "--dry-run"], "notebook 06 serves them"),
+            # local paths, hub ids, configs
+            (["measure", "--preset", "./nonexistent/config.json"], f"./nonexistent/config.json: {LOCAL}"),
+            (["predict", "--preset", "nonexistent/config.json"], f"nonexistent/config.json: {LOCAL}"),
+            (["predict", "--preset", str(tmp / "no" / "such" / "folder")], LOCAL),
+            (["predict", "--preset", "nobody/no-such-model"], "not in the local Hugging Face cache"),
+            (
+                ["measure", "--preset", str(tmp / "rejected" / "config.json")],
+                "config.json: transformers refuses this config (Class validation error",
+            ),
+            (
+                ["predict", "--preset", str(tmp / "rejected")],
+                "hidden size (64) is not a multiple of the number of attention",
+            ),
+            (["measure", "--preset", str(tmp / "torn.json")], "torn.json: not a JSON file (Unterminated string"),
+            (["measure", "--preset", str(tmp / "empty")], "a folder without a config.json"),
+            (
+                ["measure", "--preset", str(tmp / "good"), "--override", "tie_word_embeddings=7"],
+                "refuses the overrides {'tie_word_embeddings': 7}",
+            ),
+            (["measure", "--override", "rms_norm_eps=abc"], "refuses the overrides {'rms_norm_eps': 'abc'}"),
+            (["measure", "--override", "hidden_act=nope"], "transformers cannot build a llama model from this config"),
+            # waste: its points, then its folder, both before anything runs
+            (["waste", "7b-nope"], "unknown waste point '7b-nope'; choose from: 7b-greedy"),
+            (["waste", "growth", "7b-greedy"], "growth writes its own table; run it alone"),
+            (["waste", "--out", str(tmp / "torn.json")], "is a file; give a folder for the results"),
+            (["waste", "--out", str(tmp / "torn.json" / "below")], "below: Not a directory"),
+        ]
+        + ([(["waste", "--out", str(tmp / "read-only" / "below")], "below: Permission denied")] if os.geteuid() else [])
+        + (  # root writes anywhere
+            [] if torch.cuda.is_available() else [(["measure", "--device", "cuda"], "no CUDA GPU is available")]
+        )
+    )
 
 
 def write_inputs(tmp: Path) -> None:
     from kvlab.configs import build_config
+
     good = build_config("toy")
     (tmp / "good").mkdir()
     good.to_json_file(tmp / "good" / "config.json")
@@ -120,8 +138,14 @@ def probed(tmp_path_factory):
     write_inputs(tmp)
     all_cases = cases(tmp)
     env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")  # no network to wait for
-    result = subprocess.run([sys.executable, "-c", DRIVER, json.dumps([args for args, _ in all_cases])], env=env,
-                            cwd=tmp, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-c", DRIVER, json.dumps([args for args, _ in all_cases])],
+        env=env,
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     return tmp, [(args, fragment, *outcome) for (args, fragment), outcome in zip(all_cases, json.loads(result.stdout))]
 
@@ -132,8 +156,14 @@ def test_every_bad_input_is_one_line_exit_2_no_traceback(probed):
     for args, fragment, code, out, err in outcomes:
         lines = err.strip().splitlines()
         prefix = f"kvlab {args[0]}: error: " if args and args[0] in VERBS else "kvlab: error: "
-        if not (code == 2 and not out and len(lines) == 1 and lines[0].startswith(prefix) and fragment in lines[0]
-                and "Traceback" not in err):
+        if not (
+            code == 2
+            and not out
+            and len(lines) == 1
+            and lines[0].startswith(prefix)
+            and fragment in lines[0]
+            and "Traceback" not in err
+        ):
             wrong.append(f"{args}: exit {code}, stdout {out[-200:]!r}, stderr {err[-600:]!r}")
     assert not wrong, "\n".join(wrong)
     assert not (tmp / "never").exists() and not (tmp / "results").exists()  # refused before any folder was made

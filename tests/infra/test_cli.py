@@ -6,13 +6,31 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
-
-RECORD_FIELDS = {"preset", "overrides", "cache", "loop", "strategy", "batch", "prompt", "new", "device", "dtype",
-                 "baseline_bytes", "peak_bytes", "overhead_bytes", "reserved_peak_bytes", "kv_final_bytes",
-                 "predicted_overhead_bytes", "tokens_per_s", "torch_version", "transformers_version",
-                 "kvlab_version", "device_name", "git_commit"}
+RECORD_FIELDS = {
+    "preset",
+    "overrides",
+    "cache",
+    "loop",
+    "strategy",
+    "batch",
+    "prompt",
+    "new",
+    "device",
+    "dtype",
+    "baseline_bytes",
+    "peak_bytes",
+    "overhead_bytes",
+    "reserved_peak_bytes",
+    "kv_final_bytes",
+    "predicted_overhead_bytes",
+    "tokens_per_s",
+    "torch_version",
+    "transformers_version",
+    "kvlab_version",
+    "device_name",
+    "git_commit",
+}
 
 
 def kvlab(*args):
@@ -20,8 +38,20 @@ def kvlab(*args):
 
 
 def test_measure_prints_one_flat_json_record():
-    result = kvlab("measure", "--batch", "2", "--prompt", "8", "--new", "6", "--cache", "prealloc", "--json",
-                   "--override", "num_hidden_layers=2")
+    result = kvlab(
+        "measure",
+        "--batch",
+        "2",
+        "--prompt",
+        "8",
+        "--new",
+        "6",
+        "--cache",
+        "prealloc",
+        "--json",
+        "--override",
+        "num_hidden_layers=2",
+    )
     assert result.returncode == 0, result.stderr
     record = json.loads(result.stdout.strip().splitlines()[-1])
     assert RECORD_FIELDS <= set(record)
@@ -54,13 +84,13 @@ BAD_INPUTS = [
 
 
 @pytest.mark.parametrize("args, names", BAD_INPUTS)
-def test_bad_input_exits_with_one_line_naming_the_choices_before_any_model_is_built(args, names, monkeypatch,
-                                                                                    capsys):
+def test_bad_input_exits_with_one_line_naming_the_choices_before_any_model_is_built(args, names, monkeypatch, capsys):
     import kvlab.models
     from kvlab.cli import main
 
     def no_model(*args, **kwargs):
         raise AssertionError("a model was built for bad input")
+
     monkeypatch.setattr(kvlab.models, "build_model", no_model)
     with pytest.raises(SystemExit) as exit_info:
         main(["measure", *args])
@@ -71,8 +101,29 @@ def test_bad_input_exits_with_one_line_naming_the_choices_before_any_model_is_bu
 
 def test_predict_explains_the_peak(capsys):
     from kvlab.cli import main
-    main(["predict", "--preset", "llama2-7b", "--dtype", "bfloat16", "--cache", "tuple", "--loop", "v4.40", "--batch",
-          "8", "--prompt", "300", "--new", "500", "--device", "meta", "--json"])
+
+    main(
+        [
+            "predict",
+            "--preset",
+            "llama2-7b",
+            "--dtype",
+            "bfloat16",
+            "--cache",
+            "tuple",
+            "--loop",
+            "v4.40",
+            "--batch",
+            "8",
+            "--prompt",
+            "300",
+            "--new",
+            "500",
+            "--device",
+            "meta",
+            "--json",
+        ]
+    )
     [explained] = json.loads(capsys.readouterr().out)["designs"]
     assert explained["kv_final_bytes"] == 3.125 * 2**30
     assert 1.99 <= explained["overhead_over_kv"] <= 2.01
@@ -82,6 +133,7 @@ def test_help_states_the_defaults_a_point_gets(capsys):
     """`measure --help` says what an unset flag becomes, and normalize gives the point exactly that."""
     from kvlab.cli import main
     from kvlab.lab.params import normalize
+
     with pytest.raises(SystemExit):
         main(["measure", "--help"])
     text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines anywhere
@@ -94,16 +146,33 @@ def test_help_states_the_defaults_a_point_gets(capsys):
 
 def test_measure_prints_a_short_table_in_mib(capsys):
     from kvlab.cli import main
-    point = ["measure", "--override", "num_hidden_layers=1", "--batch", "2", "--prompt", "8", "--new", "4",
-             "--device", "cpu", "--no-timing"]
+
+    point = [
+        "measure",
+        "--override",
+        "num_hidden_layers=1",
+        "--batch",
+        "2",
+        "--prompt",
+        "8",
+        "--new",
+        "4",
+        "--device",
+        "cpu",
+        "--no-timing",
+    ]
     main(point)
     table = capsys.readouterr().out
     main([*point, "--json"])
     record = json.loads(capsys.readouterr().out)
     rows = dict(re.findall(r"^ *(\S.*?) {2,}([0-9.]+)$", table, re.M))
     assert "MiB" in [line.strip() for line in table.splitlines()] and "None" not in table and "_bytes" not in table
-    for label, field in (("peak", "peak_bytes"), ("overhead = peak - weights", "overhead_bytes"),
-                         ("final KV cache", "kv_final_bytes"), ("KV cache, at the peak", "kv_at_peak_bytes")):
+    for label, field in (
+        ("peak", "peak_bytes"),
+        ("overhead = peak - weights", "overhead_bytes"),
+        ("final KV cache", "kv_final_bytes"),
+        ("KV cache, at the peak", "kv_at_peak_bytes"),
+    ):
         assert float(rows[label]) == pytest.approx(record[field] / 2**20, abs=5e-4)
     assert len(table.splitlines()) < 16
 
@@ -111,6 +180,7 @@ def test_measure_prints_a_short_table_in_mib(capsys):
 def test_every_verb_takes_the_presets_it_runs_and_names_the_lesson_for_the_others():
     from kvlab.lab.params import normalize
     from kvlab.presets import DECODERS, ENCODER_DECODERS
+
     for preset in DECODERS:  # measure, predict, compare and sweep normalize their points
         assert normalize(preset=preset, device="meta")["preset"] == preset
     for preset in ENCODER_DECODERS:
@@ -122,6 +192,7 @@ def test_every_verb_takes_the_presets_it_runs_and_names_the_lesson_for_the_other
 def test_a_file_is_a_path_or_a_shipped_name_with_one_error_wording(tmp_path, module, function, what, shipped):
     import importlib
     from pathlib import Path
+
     find = getattr(importlib.import_module(module), function)
     mine = tmp_path / "mine.yaml"
     mine.write_text("{}")

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ast
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -41,8 +40,11 @@ def setup_and_imports(nb):
     for cell in nb.cells:
         if cell.cell_type == "code" and not is_setup_cell(cell):
             source = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("!", "%")))
-            imports += [ast.unparse(node) for node in ast.walk(ast.parse(source))
-                        if isinstance(node, (ast.Import, ast.ImportFrom))]
+            imports += [
+                ast.unparse(node)
+                for node in ast.walk(ast.parse(source))
+                if isinstance(node, (ast.Import, ast.ImportFrom))
+            ]
     setup = next(cell for cell in nb.cells if is_setup_cell(cell))
     check = "import os\nassert os.path.isdir('../data'), os.getcwd()"
     nb.cells = [setup, nbformat.v4.new_code_cell("\n".join(dict.fromkeys(imports))), nbformat.v4.new_code_cell(check)]
@@ -51,8 +53,9 @@ def setup_and_imports(nb):
 
 def run(*command, cwd=None):
     """A command in the fresh environment, away from this checkout (whose kvlab/ would shadow the installed one)."""
-    return subprocess.run([str(c) for c in command], check=True, capture_output=True, text=True,
-                          cwd=cwd or Path(command[0]).parent)
+    return subprocess.run(
+        [str(c) for c in command], check=True, capture_output=True, text=True, cwd=cwd or Path(command[0]).parent
+    )
 
 
 @pytest.fixture(scope="session")
@@ -65,19 +68,31 @@ def colab(tmp_path_factory):
     python = venv / "bin" / "python"
     # What Colab ships that kvlab relies on; the same torch release as the project's (pip's cache, or a local wheel).
     from importlib.metadata import version
+
     run(python, "-m", "pip", "install", "--quiet", f"torch=={version('torch')}", "ipykernel")
-    torch_before = run(python, "-c", "import torch, os; print(torch.__version__, os.path.getmtime(torch.__file__))").stdout
+    torch_before = run(
+        python, "-c", "import torch, os; print(torch.__version__, os.path.getmtime(torch.__file__))"
+    ).stdout
 
     fake = base / "fake"
     (fake / "google" / "colab").mkdir(parents=True)
     (fake / "google" / "__init__.py").write_text("")
-    (fake / "google" / "colab" / "__init__.py").write_text('"""Stands in for Colab\'s module in tests/infra/test_colab.py."""\n')
+    (fake / "google" / "colab" / "__init__.py").write_text(
+        '"""Stands in for Colab\'s module in tests/infra/test_colab.py."""\n'
+    )
     kernel_dir = base / "jupyter" / "kernels" / "colab"
     kernel_dir.mkdir(parents=True)
-    (kernel_dir / "kernel.json").write_text(json.dumps({
-        "argv": [str(python), "-c", KERNEL_START, "-f", "{connection_file}"], "display_name": "Colab (emulated)",
-        "language": "python", "env": {"PYTHONPATH": str(fake)}}))
-    content = base / "content"   # Colab's working directory
+    (kernel_dir / "kernel.json").write_text(
+        json.dumps(
+            {
+                "argv": [str(python), "-c", KERNEL_START, "-f", "{connection_file}"],
+                "display_name": "Colab (emulated)",
+                "language": "python",
+                "env": {"PYTHONPATH": str(fake)},
+            }
+        )
+    )
+    content = base / "content"  # Colab's working directory
     content.mkdir()
     yield dict(python=python, content=content, jupyter=base / "jupyter", torch_before=torch_before)
 
@@ -86,20 +101,23 @@ def colab(tmp_path_factory):
 # kernel (one kernel's start and imports, not eight: the setup cells are one generated cell, and after the first
 # has cloned and installed, each finds the repository in place).
 @pytest.mark.slow
-@pytest.mark.parametrize("paths", [[p] for p in NOTEBOOKS if p.stem in RUN_WHOLE]
-                         + [[p for p in NOTEBOOKS if p.stem not in RUN_WHOLE]],
-                         ids=[p.stem for p in NOTEBOOKS if p.stem in RUN_WHOLE] + ["setup-and-imports-of-the-others"])
+@pytest.mark.parametrize(
+    "paths",
+    [[p] for p in NOTEBOOKS if p.stem in RUN_WHOLE] + [[p for p in NOTEBOOKS if p.stem not in RUN_WHOLE]],
+    ids=[p.stem for p in NOTEBOOKS if p.stem in RUN_WHOLE] + ["setup-and-imports-of-the-others"],
+)
 def test_notebook_runs_in_emulated_colab(paths, colab, monkeypatch):
     monkeypatch.setenv("KVLAB_REPOSITORY", f"file://{ROOT}")
     monkeypatch.setenv("JUPYTER_PATH", str(colab["jupyter"]))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
-    monkeypatch.delenv("PYTHONPATH", raising=False)   # nothing of this checkout on the kernel's path
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # nothing of this checkout on the kernel's path
     cells = []
     for path in paths:
         nb = nbformat.read(path, as_version=4)
         assert nb.cells[[i for i, c in enumerate(nb.cells) if c.cell_type == "code"][0]].metadata.get("tags") == [
-            SETUP_TAG], f"{path.name}: the Colab setup cell must be the first code cell"
+            SETUP_TAG
+        ], f"{path.name}: the Colab setup cell must be the first code cell"
         if path.stem not in RUN_WHOLE:
             cells += setup_and_imports(nb).cells  # (setup_and_imports cuts nb itself)
     if paths[0].stem in RUN_WHOLE:
@@ -109,9 +127,16 @@ def test_notebook_runs_in_emulated_colab(paths, colab, monkeypatch):
         nbformat.write(nbformat.v4.new_notebook(cells=cells, metadata=nb.metadata), source)
     output = colab["content"] / f"executed-{source.name}"
     # papermill raises at a failing cell, naming it (and so its notebook) in its message
-    papermill.execute_notebook(str(source), str(output), parameters=parameters, kernel_name="colab",
-                               cwd=str(colab["content"]), progress_bar=False, log_output=False,
-                               extra_arguments=QUIET_KERNEL)
+    papermill.execute_notebook(
+        str(source),
+        str(output),
+        parameters=parameters,
+        kernel_name="colab",
+        cwd=str(colab["content"]),
+        progress_bar=False,
+        log_output=False,
+        extra_arguments=QUIET_KERNEL,
+    )
     executed = nbformat.read(output, as_version=4)
     errors = [o for c in executed.cells for o in c.get("outputs", []) if o.get("output_type") == "error"]
     assert not errors, f"{source.name}: {errors[0].get('ename')}: {errors[0].get('evalue')}"
@@ -120,7 +145,9 @@ def test_notebook_runs_in_emulated_colab(paths, colab, monkeypatch):
     where = run(python, "-c", "import kvlab; print(kvlab.__file__)").stdout
     assert str(python.parent.parent) in where, f"kvlab was not installed into the environment: {where}"
     assert (colab["content"] / "kvlab" / "data").is_dir(), "the setup cell did not fetch the repository's data"
-    assert run(python, "-c", "import torch, os; print(torch.__version__, os.path.getmtime(torch.__file__))"
-               ).stdout == colab["torch_before"], "the setup cell reinstalled Colab's torch"
+    assert (
+        run(python, "-c", "import torch, os; print(torch.__version__, os.path.getmtime(torch.__file__))").stdout
+        == colab["torch_before"]
+    ), "the setup cell reinstalled Colab's torch"
     lab = subprocess.run([str(python), "-m", "pip", "show", "--quiet", "jupyterlab"], capture_output=True)
     assert lab.returncode != 0, "the setup cell installed JupyterLab, which no notebook needs at runtime"

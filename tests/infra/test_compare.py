@@ -10,8 +10,25 @@ from kvlab.schema import DESIGNS
 
 def test_compare_writes_results_figures_and_the_executed_analysis(tmp_path):
     out = tmp_path / "compare"
-    result = subprocess.run([sys.executable, "-m", "kvlab", "compare", "--device", "cpu", "--preset", "toy", "--new", "16",
-                             "--out", str(out)], capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvlab",
+            "compare",
+            "--device",
+            "cpu",
+            "--preset",
+            "toy",
+            "--new",
+            "16",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     results = pd.read_csv(out / "results.csv")
     assert len(results) == len(DESIGNS) and set(results["status"]) == {"ok"}

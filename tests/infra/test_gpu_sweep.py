@@ -27,7 +27,8 @@ STAND_INS = ["preset=toy", "device=cpu", "dtype=float32", "batch=2", "prompt=16"
 def test_the_shipped_sweep_covers_every_design_and_the_measured_h200_points():
     points = validate(expand(*load_sweep("h200")), devices_here=False)  # CUDA is absent here
     assert {(p["device"], p["dtype"], p["batch"], p["prompt"], p["new"], p["strategy"]) for p in points} == {
-        ("cuda", "bfloat16", 8, 300, 500, "greedy")}
+        ("cuda", "bfloat16", 8, 300, 500, "greedy")
+    }
     for preset in ("llama2-7b", "mistral-7b"):
         ours = [p for p in points if p["preset"] == preset]
         assert {(p["cache"], p["loop"]) for p in ours if p["kind"] == "kvlab"} == set(DESIGNS)
@@ -36,8 +37,11 @@ def test_the_shipped_sweep_covers_every_design_and_the_measured_h200_points():
     # every point of the H200 figures (measured with transformers' own generate()) is a reference point here
     measured = pd.read_csv(ROOT / "data" / "design" / "h200.csv")
     wanted = {(r.preset, r.cache, r.loop, r.batch, r.prompt, r.new, r.dtype) for r in measured.itertuples()}
-    assert wanted == {(p["preset"], p["cache"], p["loop"], p["batch"], p["prompt"], p["new"], p["dtype"])
-                      for p in points if p["kind"] == "reference"}
+    assert wanted == {
+        (p["preset"], p["cache"], p["loop"], p["batch"], p["prompt"], p["new"], p["dtype"])
+        for p in points
+        if p["kind"] == "reference"
+    }
     assert read_sweep("h200")["point_timeout_s"] > 0
 
 
@@ -53,8 +57,14 @@ def test_dry_run_on_cpu_with_toy_stand_ins(tmp_path):
     has the comparison table with each reference row right under its kvlab twin."""
     out = tmp_path / "dry"
     grid = [arg for item in STAND_INS for arg in ("--grid", item)]
-    result = subprocess.run([sys.executable, "-m", "kvlab", "sweep", "h200", *grid, "--out", str(out)], cwd=ROOT,
-                            env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True, timeout=900)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvlab", "sweep", "h200", *grid, "--out", str(out)],
+        cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     rows = pd.read_csv(out / "results.csv")
     assert (rows["status"] == "ok").all(), rows[["cache", "loop", "kind", "error"]]
@@ -64,7 +74,8 @@ def test_dry_run_on_cpu_with_toy_stand_ins(tmp_path):
     references = rows[rows["kind"] == "reference"]
     shipped = validate(expand(*load_sweep("h200")), devices_here=False)
     assert sorted(zip(references["cache"], references["loop"])) == sorted(
-        (p["cache"], p["loop"]) for p in shipped if p["kind"] == "reference" and p["preset"] == "llama2-7b")
+        (p["cache"], p["loop"]) for p in shipped if p["kind"] == "reference" and p["preset"] == "llama2-7b"
+    )
     for ref in references.itertuples():
         version = REFERENCES[(ref.cache, ref.loop)][0]
         assert ref.transformers_version == (transformers.__version__ if version == "installed" else version)
@@ -98,6 +109,7 @@ def pins(path: Path) -> dict[str, str]:
     """{normalized name: version} of a plain requirements file; each line name==version, each name once."""
     from packaging.requirements import Requirement
     from packaging.utils import canonicalize_name
+
     found = {}
     for line in path.read_text().splitlines():
         line = line.split("#")[0].strip()
@@ -115,11 +127,15 @@ def test_the_wheelhouse_pins_agree_with_the_lock_and_the_reference():
     from packaging.utils import canonicalize_name
 
     from kvlab.releases import RELEASES
+
     kernel = pins(ROOT / "scripts" / "wheelhouse-kernel.txt")
     assert {"papermill", "ipykernel", "nbclient", "jupyter-client"} <= set(kernel)
     legacy = pins(ROOT / "scripts" / "wheelhouse-legacy.txt")
     assert legacy == dict(pin.split("==") for pin in RELEASES["4.40.1"][1])  # what kvlab.lab.reference installs
-    locked = {canonicalize_name(line.split("==")[0]): line.split("==")[1].strip()
-              for line in (ROOT / "requirements.lock").read_text().splitlines() if "==" in line and line[0] != "#"}
+    locked = {
+        canonicalize_name(line.split("==")[0]): line.split("==")[1].strip()
+        for line in (ROOT / "requirements.lock").read_text().splitlines()
+        if "==" in line and line[0] != "#"
+    }
     for name, version in kernel.items():
         assert locked.get(name) == version, f"{name}: {version} in the wheelhouse, {locked.get(name)} in the lock"

@@ -22,10 +22,27 @@ print(int(re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read()).grou
 def test_a_point_far_beyond_host_memory_is_counted_with_a_small_host_peak():
     """Llama-2-7B in fp32, batch 100,000, prompt 4,096: a 400,000 GiB KV cache, a 475,000 GiB peak.
     Its prompt alone, drawn on the CPU, would be 3.05 GiB of token ids."""
-    point = ["measure", "--preset", "llama2-7b", "--batch", "100000", "--prompt", "4096", "--new", "2",
-             "--device", "meta", "--json"]
-    result = subprocess.run([sys.executable, "-c", MEASURE_THEN_RSS, *point], capture_output=True, text=True,
-                            timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    point = [
+        "measure",
+        "--preset",
+        "llama2-7b",
+        "--batch",
+        "100000",
+        "--prompt",
+        "4096",
+        "--new",
+        "2",
+        "--device",
+        "meta",
+        "--json",
+    ]
+    result = subprocess.run(
+        [sys.executable, "-c", MEASURE_THEN_RSS, *point],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert result.returncode == 0, result.stderr
     *_, line, host_peak = result.stdout.strip().splitlines()
     record = json.loads(line)

@@ -20,8 +20,8 @@ import pytest
 
 from kvlab.lab.engines import run_sweep
 from kvlab.lab.grid import expand, point_id, validate
-from kvlab.lab.store import append_row, load_results
 from kvlab.lab.ray_engine import init_ray, point_resources
+from kvlab.lab.store import append_row, load_results
 
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")
@@ -98,6 +98,7 @@ def test_every_ray_process_listens_on_loopback_only(cluster):
     def loopback(ip):  # gRPC listens on IPv6 sockets: 127.0.0.1 reads ::ffff:127.0.0.1 there
         address = ipaddress.ip_address(ip)
         return (getattr(address, "ipv4_mapped", None) or address).is_loopback
+
     assert all(loopback(address.ip) for address in listening), listening
 
 
@@ -109,21 +110,33 @@ def test_interrupted_again_and_again_then_resumed_gives_one_ok_row_per_point(clu
     records = tmp_path / "records"
     saved = lambda: len(list(records.glob("*.json")))  # a point's row, saved whole (renamed into place)
     rounds = [  # (start Ray itself?, signal, sent when): as a row is saved, or once a task runs a point
-        (False, signal.SIGINT, "row"), (False, signal.SIGTERM, "task"), (True, signal.SIGINT, "row")]
+        (False, signal.SIGINT, "row"),
+        (False, signal.SIGTERM, "task"),
+        (True, signal.SIGINT, "row"),
+    ]
     for local, number, moment in rounds:
         command = sweep_command(tmp_path, grid, "--engine", "ray", *([] if local else ["--address", cluster]))
         before, workers_before = saved(), point_workers(os.getpid())
         # Its own process group, as a terminal's job (Ctrl-C reaches the whole group); Ctrl-C's default action
         # even if this test runs in the background (where SIGINT is ignored, and inherited so).
-        driver = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                                  start_new_session=True,
-                                  preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+        driver = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
         try:
             if moment == "row":
-                wait_for(lambda: saved() > before, "a new row", driver)
+                wait_for(lambda: saved() > before, "a new row", driver)  # noqa: B023 (waited for within this iteration)
             else:
-                wait_for(lambda: point_workers(driver.pid if local else os.getpid()) - workers_before,
-                         "a running point", driver)
+                wait_for(  # noqa: B023 (the lambda is waited for within this iteration)
+                    lambda: point_workers(driver.pid if local else os.getpid()) - workers_before,  # noqa: B023
+                    "a running point",
+                    driver,
+                )
             os.killpg(driver.pid, number) if local else driver.send_signal(number)
             _, stderr = driver.communicate(timeout=120)
         finally:
@@ -142,8 +155,9 @@ def test_interrupted_again_and_again_then_resumed_gives_one_ok_row_per_point(clu
     assert sorted(table["point_id"]) == sorted(point_id(p) for p in points)
     assert (table["overhead_bytes"] > 0).all() and (table["kv_final_bytes"] > 0).all()
     # Executed notebooks and records came back from the tasks into the folder, one per point.
-    assert sorted(p.stem for p in (tmp_path / "notebooks").glob("*.ipynb")) == \
-        sorted(Path(n).stem for n in table["notebook"])
+    assert sorted(p.stem for p in (tmp_path / "notebooks").glob("*.ipynb")) == sorted(
+        Path(n).stem for n in table["notebook"]
+    )
     assert saved() == 6
     runs = sweep_runs(tmp_path)  # every run that saved rows is logged, and no point was counted twice
     assert {run["engine"] for run in runs} == {"ray"} and sum(run["ran"]["ok"] for run in runs) == 6
@@ -157,8 +171,14 @@ def test_a_finished_sweep_reruns_nothing_and_starts_no_ray(tmp_path, engine):
     (tmp_path / "out").mkdir()
     append_row(tmp_path / "out" / "results.csv", dict(point, point_id=point_id(point), status="ok"))
     ray_folder = tmp_path / "ray"  # where a Ray started by the sweep would keep its session
-    result = subprocess.run(sweep_command(tmp_path / "out", grid, "--engine", engine), cwd=ROOT, capture_output=True,
-                            text=True, timeout=120, env=dict(os.environ, RAY_TMPDIR=str(ray_folder)))
+    result = subprocess.run(
+        sweep_command(tmp_path / "out", grid, "--engine", engine),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, RAY_TMPDIR=str(ray_folder)),
+    )
     assert result.returncode == 0 and "1 of 1 points already in" in result.stderr, result.stderr
     assert "nothing to run" in result.stderr and not ray_folder.exists()
     assert len(load_results(tmp_path / "out" / "results.csv")) == 1
@@ -167,15 +187,17 @@ def test_a_finished_sweep_reruns_nothing_and_starts_no_ray(tmp_path, engine):
 @pytest.mark.slow
 def test_a_failing_point_is_one_failure_row(cluster, tmp_path):
     points = [dict(TINY, overrides=TOO_BIG, force=True), dict(TINY, cache="tuple", loop="v4.40")]
-    for run in range(2):  # the rerun retries the failed point and replaces its row
+    for _ in range(2):  # the rerun retries the failed point and replaces its row
         table = run_sweep(points, tmp_path, engine="ray", progress=False)
         assert len(table) == 2 and table["point_id"].is_unique
         assert sorted(table["status"]) == ["ok", "oom"]
     failed = table[table["status"] == "oom"].iloc[0]
     assert "can't allocate memory" in failed["error"] and failed["overrides"] == TOO_BIG
     assert (tmp_path / failed["notebook"]).exists()  # the executed notebook, with the traceback, came back
-    assert [run["ran"] for run in sweep_runs(tmp_path)] == [{"ok": 1, "oom": 1, "too-big": 0, "failed": 0},
-                                                         {"ok": 0, "oom": 1, "too-big": 0, "failed": 0}]
+    assert [run["ran"] for run in sweep_runs(tmp_path)] == [
+        {"ok": 1, "oom": 1, "too-big": 0, "failed": 0},
+        {"ok": 0, "oom": 1, "too-big": 0, "failed": 0},
+    ]
 
 
 @pytest.mark.slow
@@ -194,6 +216,7 @@ def test_a_task_whose_worker_dies_is_one_failure_row(cluster, tmp_path):
                     process.kill()
                     return
             time.sleep(0.2)
+
     killer = threading.Thread(target=kill_the_tuple_point, daemon=True)
     killer.start()
     points = [dict(TINY, cache="tuple", new=400), dict(TINY, cache="dynamic")]
@@ -207,4 +230,5 @@ def test_a_task_whose_worker_dies_is_one_failure_row(cluster, tmp_path):
 
 def sweep_runs(out):
     import json
+
     return json.loads((out / "provenance.json").read_text())["runs"]

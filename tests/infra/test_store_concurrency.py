@@ -40,8 +40,15 @@ append_run(out, f"writer {writer}", started, "cpu", points_in_sweep=points, ran=
 
 @pytest.mark.slow
 def test_concurrent_writers_keep_every_row_once(tmp_path):
-    writers = [subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(w), str(POINTS)], cwd=ROOT,
-                                stderr=subprocess.PIPE, text=True) for w in range(WRITERS)]
+    writers = [
+        subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(tmp_path), str(w), str(POINTS)],
+            cwd=ROOT,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for w in range(WRITERS)
+    ]
     deadline = time.monotonic() + 240
     while len(list(tmp_path.glob("ready*"))) < WRITERS and time.monotonic() < deadline:
         assert all(writer.poll() is None for writer in writers), "a writer died before starting"
@@ -53,7 +60,7 @@ def test_concurrent_writers_keep_every_row_once(tmp_path):
     expected = {f"w{w}p{n}" for w in range(WRITERS) for n in range(POINTS)}
     assert len(table) == WRITERS * POINTS and set(table["point_id"]) == expected  # none lost, none twice
     assert (table["status"] == "ok").all()
-    assert list(table.columns[:len(COLUMNS)]) == COLUMNS
+    assert list(table.columns[: len(COLUMNS)]) == COLUMNS
     extras = {column for column in table.columns if column.startswith("extra_")}
     assert len(extras) == WRITERS * len(range(0, POINTS, 5))  # every new column kept, with its value
     for column in extras:
@@ -61,19 +68,41 @@ def test_concurrent_writers_keep_every_row_once(tmp_path):
         assert table.loc[table["point_id"] == f"w{w}p{n}", column].item() == int(n)
     runs = json.loads((tmp_path / "provenance.json").read_text())["runs"]
     assert sorted(run["command"] for run in runs) == [f"writer {w}" for w in range(WRITERS)]
-    assert sorted(path.name for path in tmp_path.iterdir() if not path.name.startswith(("ready", "go"))) == \
-        ["provenance.json", "records", "results.csv"]  # no temporary file left, and the locks are elsewhere
+    assert sorted(path.name for path in tmp_path.iterdir() if not path.name.startswith(("ready", "go"))) == [
+        "provenance.json",
+        "records",
+        "results.csv",
+    ]  # no temporary file left, and the locks are elsewhere
     assert sorted(path.stem for path in (tmp_path / "records").iterdir()) == sorted(expected)  # one row file each
 
 
 @pytest.mark.slow
 def test_two_sweeps_into_one_folder_keep_every_row(tmp_path):
     """Two `python -m kvlab sweep` processes at once, two points each, one results folder."""
-    tiny = ["--grid", "preset=toy", "--grid", "overrides=num_hidden_layers=1", "--grid", "batch=1", "--grid",
-            "prompt=8", "--grid", "device=cpu", "--grid", "cache=tuple,dynamic"]
-    sweeps = [subprocess.Popen([sys.executable, "-m", "kvlab", "sweep", "--out", str(tmp_path), *tiny,
-                                "--grid", f"new={new}"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               text=True) for new in (4, 5)]
+    tiny = [
+        "--grid",
+        "preset=toy",
+        "--grid",
+        "overrides=num_hidden_layers=1",
+        "--grid",
+        "batch=1",
+        "--grid",
+        "prompt=8",
+        "--grid",
+        "device=cpu",
+        "--grid",
+        "cache=tuple,dynamic",
+    ]
+    sweeps = [
+        subprocess.Popen(
+            [sys.executable, "-m", "kvlab", "sweep", "--out", str(tmp_path), *tiny, "--grid", f"new={new}"],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for new in (4, 5)
+    ]
     for process in sweeps:
         assert process.wait(timeout=300) == 0, process.stderr.read()
     table = load_results(tmp_path)

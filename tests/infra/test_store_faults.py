@@ -8,7 +8,6 @@ so those tests are skipped without it.
 """
 
 import csv
-import os
 import shutil
 import signal
 import subprocess
@@ -24,8 +23,18 @@ from kvlab.lab.store import append_row, done_point_ids, load_results, rebuild
 
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED = ROOT / "data" / "cpu" / "results.csv"
-TINY = ["--grid", "preset=toy", "--grid", "overrides=num_hidden_layers=1", "--grid", "batch=1", "--grid", "prompt=8",
-        "--grid", "device=cpu"]
+TINY = [
+    "--grid",
+    "preset=toy",
+    "--grid",
+    "overrides=num_hidden_layers=1",
+    "--grid",
+    "batch=1",
+    "--grid",
+    "prompt=8",
+    "--grid",
+    "device=cpu",
+]
 
 
 def measured_rows(count=None):
@@ -64,14 +73,17 @@ def tear(path):
     """Cut the last line half-way, as a full disk, a bad copy or a hand edit does."""
     data = path.read_bytes()
     last_line = data.rstrip(b"\n").rfind(b"\n") + 1
-    path.write_bytes(data[:last_line + (len(data) - last_line) // 2])
+    path.write_bytes(data[: last_line + (len(data) - last_line) // 2])
 
 
 DAMAGE = {
     "torn last line": tear,
     "line short of fields": lambda path: path.write_text(
-        "".join(line if n != 3 else ",".join(line.split(",")[:20]) + "\n"
-                for n, line in enumerate(path.read_text().splitlines(keepends=True)))),
+        "".join(
+            line if n != 3 else ",".join(line.split(",")[:20]) + "\n"
+            for n, line in enumerate(path.read_text().splitlines(keepends=True))
+        )
+    ),
     "text that is not a table": lambda path: path.write_text("lorem ipsum, dolor sit\namet\n" * 52),
     "binary": lambda path: path.write_bytes(bytes(range(256)) * 8 + b"\n"),
     "a row twice": lambda path: path.write_text(path.read_text() + path.read_text().splitlines(keepends=True)[1]),
@@ -134,8 +146,10 @@ def test_a_damaged_table_without_records_stops_the_sweep_in_one_line(tmp_path, c
     for argv in (["--rebuild"], [*TINY, "--grid", "new=4"]):
         code, err = sweep(["--out", str(out), *argv], capsys)
         assert code == 2 and len(err) == 1, err
-        assert err[0] == (f"kvlab sweep: error: {out / 'results.csv'} is damaged (its last line is cut off) and "
-                          f"{out / 'records'} holds no rows to rebuild it from: repair the file or move it away")
+        assert err[0] == (
+            f"kvlab sweep: error: {out / 'results.csv'} is damaged (its last line is cut off) and "
+            f"{out / 'records'} holds no rows to rebuild it from: repair the file or move it away"
+        )
     assert (out / "results.csv").read_bytes() == damaged
     assert not list((out / "notebooks").glob("*")) and not list(out.glob("results.csv.*"))  # no point ran
 
@@ -175,8 +189,13 @@ for n in range(start, start + 10_000):
 
 def start_writer(out, start=0, kill_row=-1, kill_at=0):
     out.mkdir(exist_ok=True)
-    return subprocess.Popen([sys.executable, "-c", WRITER, str(out), str(start), str(kill_row), str(kill_at),
-                             str(MEASURED)], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(out), str(start), str(kill_row), str(kill_at), str(MEASURED)],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def acknowledged_by(writer, first_line):
@@ -194,7 +213,9 @@ def saved_ids(out):
 def test_a_kill_mid_write_loses_at_most_the_row_being_written(tmp_path):
     """Killed at each step of saving row p3, and at random moments: the table is always sound, every row
     whose save returned is in it once, and only p3 (being written) may be missing; a rerun adds it."""
-    fixed = {kill_at: start_writer(tmp_path / f"fsync{kill_at}", kill_row=3, kill_at=kill_at) for kill_at in (1, 2, 3, 4)}
+    fixed = {
+        kill_at: start_writer(tmp_path / f"fsync{kill_at}", kill_row=3, kill_at=kill_at) for kill_at in (1, 2, 3, 4)
+    }
     free = [start_writer(tmp_path / f"random{n}") for n in range(3)]
     first = [process.stdout.readline() for process in free]  # saving rows: now kill each anywhere
     assert all(first), [process.stderr.read() for process in free]
@@ -208,13 +229,14 @@ def test_a_kill_mid_write_loses_at_most_the_row_being_written(tmp_path):
         # fsync 1: p3's record not yet renamed; 2: renamed, table not written; 3: table written, not renamed;
         # 4: renamed (its folder synced). The table on disk is whole in every case.
         assert saved_ids(out) == ["p0", "p1", "p2"] + (["p3"] if kill_at == 4 else [])
-        assert [row["point_id"] for row in rebuild(out / "results.csv")] == \
-            ["p0", "p1", "p2"] + (["p3"] if kill_at >= 2 else [])
+        assert [row["point_id"] for row in rebuild(out / "results.csv")] == ["p0", "p1", "p2"] + (
+            ["p3"] if kill_at >= 2 else []
+        )
     for n, process in enumerate(free):
         acknowledged = acknowledged_by(process, first[n])
         out = tmp_path / f"random{n}"
         table = saved_ids(out)  # whole, without a rebuild
-        assert table[:len(acknowledged)] == acknowledged and len(table) <= len(acknowledged) + 1
+        assert table[: len(acknowledged)] == acknowledged and len(table) <= len(acknowledged) + 1
         in_flight = f"p{len(acknowledged)}"  # saved again, as a rerun does: it replaces a copy saved before the kill
         append_row(out / "results.csv", dict(measured_rows(1)[0], point_id=in_flight))
         assert saved_ids(out) == acknowledged + [in_flight]
@@ -234,7 +256,9 @@ def test_writers_that_all_find_the_table_torn_set_it_aside_once(tmp_path):
         acknowledged += acknowledged_by(writer, line)
     assert len(list(out.glob("results.csv.damaged-*"))) == 1
     table = [row["point_id"] for row in rebuild(out / "results.csv")]
-    assert len(table) == len(set(table)) and set(table) >= {row["point_id"] for row in measured_rows(3)} | set(acknowledged)
+    assert len(table) == len(set(table)) and set(table) >= {row["point_id"] for row in measured_rows(3)} | set(
+        acknowledged
+    )
 
 
 @pytest.fixture
@@ -250,6 +274,7 @@ def mount_point(tmp_path):
             pytest.skip(f"cannot mount here (needs root): {result.stderr.strip()}")
         mounted.append(target)
         return target
+
     yield mount
     for _ in mounted:
         subprocess.run(["umount", str(target)], check=True)
@@ -282,7 +307,7 @@ def test_a_full_disk_loses_at_most_the_row_being_written(mount_point, capsys):
 
     subprocess.run(["mount", "-o", "remount,size=16m", str(out)], check=True)  # space freed
     code, err = sweep(["--out", str(out), "--rebuild"], capsys)
-    assert code in (0, None) and saved_ids(out)[:len(acknowledged)] == acknowledged
+    assert code in (0, None) and saved_ids(out)[: len(acknowledged)] == acknowledged
     assert len(saved_ids(out)) <= len(acknowledged) + 1  # plus the one being written, if its record was saved
 
 
@@ -293,18 +318,22 @@ def test_a_read_only_folder_is_refused_before_any_point(tmp_path, mount_point, c
     out = mount_point("--bind", "-o", "ro", str(folder))
     assert subprocess.run(["touch", str(out / "x")], capture_output=True).returncode != 0  # really read-only
     code, err = sweep(["--out", str(out), *TINY, "--grid", "new=4"], capsys)
-    assert code == 2 and err == [f"kvlab sweep: error: cannot write results to {out}: Read-only file system "
-                                 f"({out / 'notebooks'})"]
+    assert code == 2 and err == [
+        f"kvlab sweep: error: cannot write results to {out}: Read-only file system ({out / 'notebooks'})"
+    ]
     assert len(load_results(out)) == 3  # still readable
     with pytest.raises(OSError, match="Read-only file system"):
         append_row(out / "results.csv", measured_rows(4)[3])
     assert {path: path.read_bytes() for path in folder.rglob("*") if path.is_file()} == before
 
 
-@pytest.mark.parametrize("where, message", [
-    ("a file", "--out {out} is a file; give a folder for the results"),
-    ("under a file", "cannot write results to {out}: Not a directory ({out}/notebooks)"),
-])
+@pytest.mark.parametrize(
+    "where, message",
+    [
+        ("a file", "--out {out} is a file; give a folder for the results"),
+        ("under a file", "cannot write results to {out}: Not a directory ({out}/notebooks)"),
+    ],
+)
 def test_out_that_is_not_a_folder_is_refused_before_any_point(tmp_path, capsys, where, message):
     (tmp_path / "file").write_text("mine\n")
     out = tmp_path / "file" if where == "a file" else tmp_path / "file" / "results"
@@ -314,13 +343,21 @@ def test_out_that_is_not_a_folder_is_refused_before_any_point(tmp_path, capsys, 
     assert (tmp_path / "file").read_text() == "mine\n" and sorted(tmp_path.iterdir()) == [tmp_path / "file"]
 
 
-@pytest.mark.parametrize("content, message", [
-    (None, "{path} is a folder; give a sweep file (YAML)"),
-    ("grid:\n  new: [4, 8\n  cache: tuple\n", "{path} is not valid YAML (line 3: expected ',' or ']', but got ':')"),
-    ("fixed: {batch: 1}\n\tgrid: {new: [4]}\n", "{path} is not valid YAML (line 2: found character '\\t' that "
-                                                   "cannot start any token)"),
-    (b"\xff\xfe\x00binary", "{path} is not a text file; give a sweep file (YAML)"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (None, "{path} is a folder; give a sweep file (YAML)"),
+        (
+            "grid:\n  new: [4, 8\n  cache: tuple\n",
+            "{path} is not valid YAML (line 3: expected ',' or ']', but got ':')",
+        ),
+        (
+            "fixed: {batch: 1}\n\tgrid: {new: [4]}\n",
+            "{path} is not valid YAML (line 2: found character '\\t' that cannot start any token)",
+        ),
+        (b"\xff\xfe\x00binary", "{path} is not a text file; give a sweep file (YAML)"),
+    ],
+)
 def test_a_sweep_file_that_is_not_one_is_one_line(tmp_path, capsys, content, message):
     path = tmp_path / "mine.yaml"
     if content is None:
@@ -340,8 +377,14 @@ def test_a_real_sweep_rebuilds_its_torn_table_and_runs_only_the_new_point(tmp_pa
     out = tmp_path / "out"
 
     def run(*new):
-        return subprocess.run([sys.executable, "-m", "kvlab", "sweep", "--out", str(out), *TINY,
-                               "--grid", f"new={','.join(new)}"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        return subprocess.run(
+            [sys.executable, "-m", "kvlab", "sweep", "--out", str(out), *TINY, "--grid", f"new={','.join(new)}"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
     first = run("4", "5")
     assert first.returncode == 0, first.stderr
     measured = load_results(out).set_index("point_id")
@@ -350,8 +393,10 @@ def test_a_real_sweep_rebuilds_its_torn_table_and_runs_only_the_new_point(tmp_pa
     second = run("4", "5", "6")
     assert second.returncode == 0, second.stderr
     notice = [line for line in second.stderr.splitlines() if "is damaged" in line]
-    assert notice == [f"kvlab: {out / 'results.csv'} is damaged (its last line is cut off); kept as "
-                      f"{next(out.glob('results.csv.damaged-*')).name}; the table is rebuilt from {out / 'records'}"]
+    assert notice == [
+        f"kvlab: {out / 'results.csv'} is damaged (its last line is cut off); kept as "
+        f"{next(out.glob('results.csv.damaged-*')).name}; the table is rebuilt from {out / 'records'}"
+    ]
     assert "2 of 3 points already in" in second.stderr  # the torn row was not rerun, nor counted from the tear
     table = load_results(out)
     assert sorted(table["new"]) == [4, 5, 6] and table["point_id"].is_unique and (table["status"] == "ok").all()

@@ -15,11 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from kvlab import cli
 from kvlab.lab.engines import run_sweep
 from kvlab.lab.grid import SWEEPS_DIR, expand, load_sweep, parse_grid_item, point_id, validate
 from kvlab.lab.runner import failure_status
 from kvlab.lab.store import COLUMNS, done_point_ids, load_results
-from kvlab import cli
 from kvlab.schema import DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -43,30 +43,41 @@ def rows_of(path):
 def test_grid_items_parse():
     assert parse_grid_item("new=4,8") == ("new", [4, 8])
     assert parse_grid_item("cache=tuple") == ("cache", ["tuple"])
-    assert parse_grid_item("overrides=num_hidden_layers=1,vocab_size=500") == \
-        ("overrides", ["num_hidden_layers=1,vocab_size=500"])
+    assert parse_grid_item("overrides=num_hidden_layers=1,vocab_size=500") == (
+        "overrides",
+        ["num_hidden_layers=1,vocab_size=500"],
+    )
 
 
 def test_grid_groups_set_parameters_together():
-    points = expand({"batch": 1}, {"design": [{"cache": "tuple", "loop": "v4.40"},
-                                                     {"cache": "dynamic", "loop": "v5"}], "new": [4, 8]})
+    points = expand(
+        {"batch": 1},
+        {"design": [{"cache": "tuple", "loop": "v4.40"}, {"cache": "dynamic", "loop": "v5"}], "new": [4, 8]},
+    )
     assert len(points) == 4
     assert {(p["cache"], p["loop"], p["new"]) for p in points} == {
-        ("tuple", "v4.40", 4), ("tuple", "v4.40", 8), ("dynamic", "v5", 4), ("dynamic", "v5", 8)}
+        ("tuple", "v4.40", 4),
+        ("tuple", "v4.40", 8),
+        ("dynamic", "v5", 4),
+        ("dynamic", "v5", 8),
+    }
     assert all(p["batch"] == 1 for p in points)
 
 
-@pytest.mark.parametrize("grid, message", [
-    (["--grid", "colour=red,blue"], "valid"),                   # unknown key: names the valid keys
-    (["--grid", "cache=tuple,paged"], "choose one of"),        # unknown cache: names the designs
-    (["--grid", "new=4,0"], "positive"),                        # non-positive size
-    (["--grid", "batch=-1"], "positive"),
-    (["--grid", "new"], "key=v1,v2"),                            # malformed
-    (["--grid", "new=4,,8"], "key=v1,v2"),
-    (["no-such-sweep"], "cpu-default"),               # names the shipped sweeps
-    (["--grid", "new=4", "--address", "auto"], "--engine ray"),  # Ray's options without the Ray engine
-    (["--grid", "new=4", "--engine", "dask"], "choose one of local, ray"),
-])
+@pytest.mark.parametrize(
+    "grid, message",
+    [
+        (["--grid", "colour=red,blue"], "valid"),  # unknown key: names the valid keys
+        (["--grid", "cache=tuple,paged"], "choose one of"),  # unknown cache: names the designs
+        (["--grid", "new=4,0"], "positive"),  # non-positive size
+        (["--grid", "batch=-1"], "positive"),
+        (["--grid", "new"], "key=v1,v2"),  # malformed
+        (["--grid", "new=4,,8"], "key=v1,v2"),
+        (["no-such-sweep"], "cpu-default"),  # names the shipped sweeps
+        (["--grid", "new=4", "--address", "auto"], "--engine ray"),  # Ray's options without the Ray engine
+        (["--grid", "new=4", "--engine", "dask"], "choose one of local, ray"),
+    ],
+)
 def test_bad_grid_exits_before_running(tmp_path, capsys, grid, message):
     out = tmp_path / "out"
     with pytest.raises(SystemExit) as exit_info:
@@ -78,8 +89,13 @@ def test_bad_grid_exits_before_running(tmp_path, capsys, grid, message):
 
 
 def test_bad_grid_from_the_command_line(tmp_path):
-    result = subprocess.run(sweep_command(tmp_path / "out", ("cache", "dynamic,paged")), cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        sweep_command(tmp_path / "out", ("cache", "dynamic,paged")),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "unknown cache 'paged'" in result.stderr and "tuple, dynamic, list, static, prealloc" in result.stderr
     assert not (tmp_path / "out").exists()
@@ -88,8 +104,11 @@ def test_bad_grid_from_the_command_line(tmp_path):
 def listed(listing: str) -> list[tuple]:
     """(cache, loop, new) of each point a dry run lists (`<id> <preset>_<cache>_<loop>_<strategy>_b.._p.._n<new>_<id>`),
     after checking that its closing line counts them."""
-    points = [re.fullmatch(r"\w+ [\w.-]+?_(\w+)_(v[\d.]+)_\w+_b\d+_p\d+_n(\d+)_\w+", line)
-              for line in listing.splitlines() if not line.endswith("results.csv")]
+    points = [
+        re.fullmatch(r"\w+ [\w.-]+?_(\w+)_(v[\d.]+)_\w+_b\d+_p\d+_n(\d+)_\w+", line)
+        for line in listing.splitlines()
+        if not line.endswith("results.csv")
+    ]
     assert all(points), listing
     assert f"\n{len(points)} points; " in f"\n{listing}", listing
     return [(match[1], match[2], int(match[3])) for match in points]
@@ -97,12 +116,18 @@ def listed(listing: str) -> list[tuple]:
 
 def shipped(name: str) -> dict:
     import yaml
+
     return yaml.safe_load((SWEEPS_DIR / f"{name}.yaml").read_text())
 
 
 def test_shipped_sweep_by_name_from_the_cli(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "kvlab", "sweep", "cpu-default", "--dry-run"], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "kvlab", "sweep", "cpu-default", "--dry-run"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     sweep = shipped("cpu-default")  # one point per design the file names, at its size
     new = sweep["fixed"]["new"]
@@ -129,8 +154,9 @@ def test_resume_after_kill_gives_one_row_per_point(tmp_path):
     out = tmp_path / "resume"
     command = sweep_command(out, ("cache", "tuple,dynamic"), ("new", "4,5"))
     results = out / "results.csv"
-    first = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)  # its own process group: the kernels die with it
+    first = subprocess.Popen(
+        command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )  # its own process group: the kernels die with it
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline and first.poll() is None:
@@ -168,8 +194,17 @@ def test_out_of_memory_point_is_a_row_and_the_sweep_goes_on(tmp_path):
     # The schema: fixed columns in a fixed order, sweep provenance first, every parameter, every record field.
     assert list(table.columns) == COLUMNS
     assert set(DEFAULTS) <= set(table.columns)
-    for field in ("overhead_bytes", "kv_final_bytes", "overhead_over_kv", "predicted_overhead_bytes",
-                  "tokens_per_s", "device_name", "git_commit", "measured_at", "torch_version"):
+    for field in (
+        "overhead_bytes",
+        "kv_final_bytes",
+        "overhead_over_kv",
+        "predicted_overhead_bytes",
+        "tokens_per_s",
+        "device_name",
+        "git_commit",
+        "measured_at",
+        "torch_version",
+    ):
         assert field in table.columns
 
     assert list(table["status"]) == ["oom", "ok"]
@@ -186,8 +221,10 @@ def test_out_of_memory_point_is_a_row_and_the_sweep_goes_on(tmp_path):
     assert list(table["status"]) == ["ok", "oom"] and table["point_id"].is_unique
 
     runs = json.loads((out / "provenance.json").read_text())["runs"]
-    assert [run["ran"] for run in runs] == [{"ok": 1, "oom": 1, "too-big": 0, "failed": 0},
-                                            {"ok": 0, "oom": 1, "too-big": 0, "failed": 0}]
+    assert [run["ran"] for run in runs] == [
+        {"ok": 1, "oom": 1, "too-big": 0, "failed": 0},
+        {"ok": 0, "oom": 1, "too-big": 0, "failed": 0},
+    ]
     assert runs[1]["command"] == "rerun" and runs[0]["device"] == "cpu" and runs[0]["git_commit"]
 
 
@@ -197,6 +234,7 @@ def test_a_point_predicted_not_to_fit_is_a_too_big_row_and_rerun(tmp_path, monke
 
     def no_kernel(*args, **kwargs):
         raise AssertionError("a refused point started a kernel")
+
     monkeypatch.setattr(papermill, "execute_notebook", no_kernel)
     points = [dict(TINY, overrides=TOO_BIG)]
     table = run_sweep(points, tmp_path, progress=False)
@@ -215,8 +253,20 @@ def test_point_ids_of_stored_results_stay():
     (measured before those existed) keep their ids, so they still join and a rerun still skips them."""
     stored = load_results(ROOT / "data" / "cpu" / "results.csv")
     assert "029bfa443c7c" in set(stored["point_id"])
-    [point] = validate([dict(preset="llama2-7b-twin", cache="tuple", loop="v4.40", batch=8, prompt=300,
-                                   new=500, device="cpu", dtype="bfloat16")])
+    [point] = validate(
+        [
+            dict(
+                preset="llama2-7b-twin",
+                cache="tuple",
+                loop="v4.40",
+                batch=8,
+                prompt=300,
+                new=500,
+                device="cpu",
+                dtype="bfloat16",
+            )
+        ]
+    )
     assert point_id(point) == "029bfa443c7c"
     assert point_id(dict(point, runtime="jit-trace")) != "029bfa443c7c"
 
@@ -236,6 +286,7 @@ def test_cuda_points_validated_for_other_machines():
     """The Ray driver may have no GPU: its CUDA points keep `cuda` and CUDA's defaults (the allocator
     counts, no storage tracking; kernels timed), and every other parameter is still checked."""
     import torch
+
     if torch.cuda.is_available():
         pytest.skip("checks the driver without a GPU")
     [point] = validate([dict(TINY, device="cuda")], devices_here=False)
@@ -258,6 +309,7 @@ def test_a_point_past_its_time_limit_is_a_failed_row_and_the_sweep_goes_on(tmp_p
     becomes a "failed" row saying so; the next point (refused as too big, so no kernel and no clock) still
     gets its row."""
     import psutil
+
     endless = dict(TINY, new=200_000, timing=False)  # minutes of decoding on any CPU
     table = run_sweep([endless, dict(TINY, overrides=TOO_BIG)], tmp_path, point_timeout=2, progress=False)
     assert list(table["status"]) == ["failed", "too-big"]
