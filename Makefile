@@ -14,7 +14,7 @@ NEWEST := .tf-newest/.ready
 
 .PHONY: compare test test-all test-oldest test-newest lab legacy wheelhouse clean
 
-# The environment, and the notebooks' kernel under its own name, kvlab (kvlab.colab.KERNEL): one named python3
+# The environment, and the notebooks' kernel under its own name, kvlab (kvlab.lab.kernel.KERNEL): one named python3
 # would shadow the user's default kernel (the python3 that earlier checkouts registered here is removed).
 $(READY): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -66,7 +66,11 @@ test: $(READY) $(LEGACY)
 	$(BIN)/lint-imports --no-cache
 	$(PYTEST) -m "not slow" --ignore=tests/infra tests
 
+# The layers, ruff's lint and format, then every test, then the two ends of the supported range.
 test-all: $(READY) $(LEGACY) $(OLDEST) $(NEWEST)
+	$(BIN)/lint-imports --no-cache
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(PYTEST) tests
 	$(call RELEASE_TEST,oldest)
 	$(call RELEASE_TEST,newest)
