@@ -40,6 +40,7 @@ if "google.colab" in sys.modules and not os.path.isdir("../data"):
 
         repository = os.environ.get("KVLAB_REPOSITORY", "{REPOSITORY}")
         !git clone --quiet --depth 1 {{repository}} kvlab
-        !echo "torch=={{version('torch')}}" > keep-torch.txt
+        with open("keep-torch.txt", "w") as constraint:  # pip must keep Colab's own torch
+            print(f"torch=={{version('torch')}}", file=constraint)
         %pip install --quiet --constraint keep-torch.txt "./kvlab[notebooks]"
     os.chdir("kvlab/notebooks")'''
