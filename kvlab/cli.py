@@ -297,6 +297,64 @@ def _sweep_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _measure_arguments(measure: argparse.ArgumentParser) -> None:
+    measure.add_argument("--json", action="store_true", help="print the whole record (bytes) as one JSON line")
+    measure.add_argument(
+        "--runtime",
+        default=None,
+        help="eager (kvlab's loop), jit-trace (a torch.jit.trace graph "
+        "passing tuples: cache tuple), convert (tuples <-> DynamicCache every step: cache dynamic) or "
+        "export (torch.export with a static cache: cache static); see kvlab.graphs "
+        f"(default: {DEFAULTS['runtime']})",
+    )
+    measure.add_argument(
+        "--no-timing",
+        dest="timing",
+        action="store_false",
+        default=None,
+        help="skip the second, unmetered run that measures tokens/s",
+    )
+    measure.add_argument(
+        "--force",
+        action="store_true",
+        default=None,
+        help="run even if the predicted peak exceeds the free memory of the device",
+    )
+
+
+def _predict_arguments(predict: argparse.ArgumentParser) -> None:
+    predict.add_argument(
+        "--memory",
+        default=None,
+        metavar="SIZE",
+        help="say whether each design fits in this much memory (e.g. 24GiB, 80GB, 512MiB, bytes)",
+    )
+    predict.add_argument("--max-batch", action="store_true", help="with --memory: the largest batch each design fits")
+    predict.add_argument(
+        "--max-new",
+        action="store_true",
+        help="with --memory: the most new tokens each design fits (up to the model's context)",
+    )
+    predict.add_argument("--json", action="store_true", help="print the prediction, term by term, as JSON (bytes)")
+
+
+def _explain_arguments(explain: argparse.ArgumentParser) -> None:
+    explain.add_argument(
+        "--generate-of",
+        default="kvlab",
+        help="whose generate() runs: kvlab (its loop, with --cache "
+        "and --loop), installed (this transformers' own), 4.40.1 or 4.42.4 (that release's own, in "
+        "its folder) (default: kvlab)",
+    )
+    explain.add_argument(
+        "--step",
+        type=int,
+        default=None,
+        metavar="N",
+        help="the peak within forward N (0: the prompt's) instead of the whole run's (default: the whole run)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="python -m kvlab", description="Where the memory of generate() goes.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -329,56 +387,9 @@ def build_parser() -> argparse.ArgumentParser:
             metavar="KEY=VALUE",
             help="config override, repeatable (e.g. num_hidden_layers=2)",
         )
-    measure.add_argument("--json", action="store_true", help="print the whole record (bytes) as one JSON line")
-    measure.add_argument(
-        "--runtime",
-        default=None,
-        help="eager (kvlab's loop), jit-trace (a torch.jit.trace graph "
-        "passing tuples: cache tuple), convert (tuples <-> DynamicCache every step: cache dynamic) or "
-        "export (torch.export with a static cache: cache static); see kvlab.graphs "
-        f"(default: {DEFAULTS['runtime']})",
-    )
-    measure.add_argument(
-        "--no-timing",
-        dest="timing",
-        action="store_false",
-        default=None,
-        help="skip the second, unmetered run that measures tokens/s",
-    )
-    measure.add_argument(
-        "--force",
-        action="store_true",
-        default=None,
-        help="run even if the predicted peak exceeds the free memory of the device",
-    )
-    predict.add_argument(
-        "--memory",
-        default=None,
-        metavar="SIZE",
-        help="say whether each design fits in this much memory (e.g. 24GiB, 80GB, 512MiB, bytes)",
-    )
-    predict.add_argument("--max-batch", action="store_true", help="with --memory: the largest batch each design fits")
-    predict.add_argument(
-        "--max-new",
-        action="store_true",
-        help="with --memory: the most new tokens each design fits (up to the model's context)",
-    )
-    predict.add_argument("--json", action="store_true", help="print the prediction, term by term, as JSON (bytes)")
-
-    explain.add_argument(
-        "--generate-of",
-        default="kvlab",
-        help="whose generate() runs: kvlab (its loop, with --cache "
-        "and --loop), installed (this transformers' own), 4.40.1 or 4.42.4 (that release's own, in "
-        "its folder) (default: kvlab)",
-    )
-    explain.add_argument(
-        "--step",
-        type=int,
-        default=None,
-        metavar="N",
-        help="the peak within forward N (0: the prompt's) instead of the whole run's (default: the whole run)",
-    )
+    _measure_arguments(measure)
+    _predict_arguments(predict)
+    _explain_arguments(explain)
 
     compare = sub.add_parser("compare", help="the tuple cache of <= 4.41 vs every later design, on the default device")
     compare.add_argument("--device", default="auto", help="cpu, cuda or auto (CUDA if present) (default: auto)")

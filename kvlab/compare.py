@@ -21,6 +21,12 @@ ANALYSIS_NOTEBOOK = PROJECT_DIR / "notebooks" / "03_analysis.ipynb"
 
 
 def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
+    # The notebooks extra (papermill, the plots' matplotlib and seaborn) before the sweep, not after its minutes.
+    import papermill
+
+    from .lab.kernel import QUIET_KERNEL, kernel_name  # `kvlab` where make registered it, else python3
+    from .notebook import plots
+
     device = resolve_device(device)
     fixed, grid = load_sweep("cuda-default" if device.startswith("cuda") else "cpu-default")
     fixed.update(device=device, **{k: v for k, v in dict(preset=preset, **sizes).items() if v is not None})
@@ -32,11 +38,6 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
     for _, row in results[results["status"] != "ok"].iterrows():
         print(f"{row['status']}: {row['cache']}/{row['loop']} new={row['new']}: {row['error']}")
     table, longest = comparison_table(results), longest_ok(results)
-
-    import papermill
-
-    from .lab.kernel import QUIET_KERNEL, kernel_name  # `kvlab` where make registered it, else python3
-    from .notebook import plots
 
     figures = {out / "compare.png": plots.compare_figure(longest)}
     if results["new"].nunique() > 1:

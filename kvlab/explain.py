@@ -108,6 +108,11 @@ class _OpCounter(LiveStorageCounter):
         return out
 
 
+def _qualname(code) -> str:
+    """A frame's function with its class (Python 3.11's co_qualname; the bare name on 3.10)."""
+    return getattr(code, "co_qualname", code.co_name)
+
+
 def explain(run, *, model: torch.nn.Module | None = None, step: int | None = None) -> Explanation:
     """Call `run()` twice; explain what is alive at its peak, or at the peak of `model`'s forward number
     `step` (0: the prefill; each step runs from one forward's start to the next's)."""
@@ -174,7 +179,7 @@ def _look(counter: _OpCounter, op: str, dispatch_frame) -> Explanation:
         held.append(Held(nbytes, shape, nbytes if first is None else first.nbytes, holders))
     held.sort(key=lambda h: -h.nbytes)
     caller = (ours or frames)[-1]
-    where = f"{caller.f_code.co_qualname} ({_importable(caller.f_code.co_filename)}:{caller.f_lineno})"
+    where = f"{_qualname(caller.f_code)} ({_importable(caller.f_code.co_filename)}:{caller.f_lineno})"
     return Explanation(counter.live_bytes, op, len(counter.live_after) - 1, where, held)
 
 
@@ -185,7 +190,7 @@ def _importable(filename: str) -> str:
 
 
 def _locals(frames) -> list[tuple[str, object]]:
-    return [(f"{f.f_code.co_qualname}: {name}", value) for f in frames for name, value in f.f_locals.items()]
+    return [(f"{_qualname(f.f_code)}: {name}", value) for f in frames for name, value in f.f_locals.items()]
 
 
 def _names(roots, live) -> dict[int, dict]:

@@ -146,8 +146,6 @@ def terms(name: str, point: dict | None = None) -> list[dict]:
     step_activations = parts["rest"] if explanation.forward else forwards[-1][1] - forwards[-1][0]
     weights = weight_bytes(model)
     retained = sizes[0][0] - sizes[0][1]
-    op = explanation.op.removeprefix("aten.").split(".")[0]
-    at = explanation.where.split(" (")[0]
     rows = [
         ("baseline", "weights", weights, "the model's parameters and buffers", ""),
         ("baseline", "final cache", final, "from the shapes: what generate() ends with", ""),
@@ -158,19 +156,37 @@ def terms(name: str, point: dict | None = None) -> list[dict]:
             "the last decode step" if not explanation.forward else "not cache, at the peak",
             "",
         ),
-        *(
-            [
-                (
-                    "term",
-                    f"the cache update's {op} output",
-                    parts["op_out"],
-                    f"{explanation.op}: out, in {at}",
-                    UPSTREAM.get(op, ""),
-                )
-            ]
-            if parts["op_out"]
-            else []
+        *_peak_terms(name, explanation, parts, final, step_activations, beams),
+        ("check", "peak (the meter, its own run)", weights + peak, "MemoryMeter, live storages", ""),
+        ("note", "peak of the prompt's forward", weights + forwards[0][1], "the meter, forward 0", ""),
+        (
+            "note",
+            "storage the cache's tensors do not show after the prompt's forward",
+            retained,
+            f"the cache after forward 0: {sizes[0][0]} bytes of storage, {sizes[0][1]} shown",
+            UPSTREAM["view"] if retained else "",
         ),
+        *_fix_rows(model, ids, point, weights, forwards),
+    ]
+    if point["generate"].get("cache_implementation") == "static":  # inside the final cache, not added up
+        written = point["prompt"] + explanation.forward  # tokens in the cache once the peak's forward has run
+        unwritten = final - held_cache_bytes(model.config, COMMON["batch"] * beams, written, 1, COMMON["dtype"])
+        after = f"after forward {explanation.forward}: {written} of {point['prompt'] + point['new'] - 1} tokens"
+        rows.append(("note", "static capacity not yet written at the peak", unwritten, after, UPSTREAM["capacity"]))
+    return _records(name, point, rows, weights + peak, explanation.forward)
+
+
+def _peak_terms(name: str, explanation, parts: dict, final: int, step_activations: int, beams: int) -> list[tuple]:
+    """The terms above weights + final cache + one step's activations at the peak, each with its holder."""
+    op = explanation.op.removeprefix("aten.").split(".")[0]
+    at = explanation.where.split(" (")[0]
+    update = [("term", f"the cache update's {op} output", parts["op_out"], f"{explanation.op}: out, in {at}",
+               UPSTREAM.get(op, ""))] if parts["op_out"] else []  # fmt: skip
+    activations_upstream = (
+        UPSTREAM["activations"] if beams > 1 else UPSTREAM["prefill"] if explanation.forward == 0 else ""
+    )
+    return [
+        *update,
         (
             "term",
             "storage the cache's tensors do not show",
@@ -190,63 +206,42 @@ def terms(name: str, point: dict | None = None) -> list[dict]:
             "activations above one step's",
             parts["rest"] - step_activations,
             f"forward {explanation.forward} (0: the prompt's); largest: {parts['largest']}",
-            UPSTREAM["activations"] if beams > 1 else UPSTREAM["prefill"] if explanation.forward == 0 else "",
-        ),
-        ("check", "peak (the meter, its own run)", weights + peak, "MemoryMeter, live storages", ""),
-        ("note", "peak of the prompt's forward", weights + forwards[0][1], "the meter, forward 0", ""),
-        (
-            "note",
-            "storage the cache's tensors do not show after the prompt's forward",
-            retained,
-            f"the cache after forward 0: {sizes[0][0]} bytes of storage, {sizes[0][1]} shown",
-            UPSTREAM["view"] if retained else "",
+            activations_upstream,
         ),
     ]
+
+
+def _fix_rows(model, ids, point: dict, weights: int, forwards: list) -> list[tuple]:
+    """Each of the point's fixes, measured under the same meter: the peak with it."""
+    rows = []
     for fix in point["fix"]:
         fix_peak = FIXES[fix](model, ids, point)
         if fix == "beam-prefill-once":  # it changes the prompt's forward only: the later forwards stay
-            rows.append(
-                (
-                    "note",
-                    "peak of the prompt's forward, with the fix",
-                    weights + fix_peak,
-                    FIXES[fix].__doc__.split(",")[0].strip(),
-                    UPSTREAM["activations"],
-                )
-            )
+            what = FIXES[fix].__doc__.split(",")[0].strip()
+            rows.append(("note", "peak of the prompt's forward, with the fix", weights + fix_peak, what,
+                         UPSTREAM["activations"]))  # fmt: skip
             fix_peak = max([fix_peak] + [forward_peak for _, forward_peak in forwards[1:]])
         rows.append(("fix", fix, weights + fix_peak, " ".join(FIXES[fix].__doc__.split()), ""))
-    if point["generate"].get("cache_implementation") == "static":  # inside the final cache, not added up
-        written = point["prompt"] + explanation.forward  # tokens in the cache once the peak's forward has run
-        unwritten = final - held_cache_bytes(model.config, COMMON["batch"] * beams, written, 1, COMMON["dtype"])
-        rows.append(
-            (
-                "note",
-                "static capacity not yet written at the peak",
-                unwritten,
-                f"after forward {explanation.forward}: {written} of {point['prompt'] + point['new'] - 1} tokens",
-                UPSTREAM["capacity"],
-            )
-        )
+    return rows
+
+
+def _records(name: str, point: dict, rows: list[tuple], peak: int, peak_forward: int) -> list[dict]:
+    """The point's rows as waste.csv's records (COLUMNS): `peak` is the meter's, weights included."""
+    shared = dict(point=name, preset=point["preset"], overrides=_text(point["overrides"]),
+                  generate=_text(point["generate"]), batch=COMMON["batch"], prompt=point["prompt"], new=point["new"],
+                  dtype=COMMON["dtype"])  # fmt: skip
     return [
         dict(
-            point=name,
-            preset=point["preset"],
-            overrides=_text(point["overrides"]),
-            generate=_text(point["generate"]),
-            batch=COMMON["batch"],
-            prompt=point["prompt"],
-            new=point["new"],
-            dtype=COMMON["dtype"],
+            shared,
             kind=kind,
             term=term,
             bytes=nbytes,
-            share_of_peak=round(nbytes / (weights + peak), 5),
-            peak_forward=explanation.forward,
+            share_of_peak=round(nbytes / peak, 5),
+            peak_forward=peak_forward,
             holder=holder,
             upstream=upstream,
-            saves_bytes=weights + peak - nbytes if kind == "fix" else None,
-        )
+            saves_bytes=peak - nbytes if kind == "fix" else None,
+        )  # fmt: skip
         for kind, term, nbytes, holder, upstream in rows
     ]
 

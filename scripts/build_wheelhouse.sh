@@ -11,7 +11,7 @@
 #                                                       (the repo's .legacy-tf), never next to transformers 5
 #   scripts/wheelhouse-ray.txt     → DEST/ray/*.whl     Ray and what it needs beyond torch and transformers
 # DEST/install.sh    installs them on the node, offline (see docs/offline-gpu.md)
-# DEST/notebooks/    the point notebook that `kvlab sweep` executes (the kvlab wheel has no notebooks)
+# DEST/notebooks/    the point notebook that `kvlab sweep` executes (the kvlab wheel carries it too)
 # DEST/requirements/ the requirements files, DEST/SHA256SUMS
 #
 # Needs network (PyPI) here, not on the node. Fails if a package is missing, present in two versions,

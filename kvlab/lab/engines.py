@@ -31,6 +31,17 @@ def local_engine(
             yield run_one(params, out, notebook, kernel_name, point_timeout)
 
 
+def _start(engine: str, todo: list[dict], out: Path, notebook: Path, kernel_name, point_timeout, options: dict):
+    """The engine's generator of rows, for the points still to run."""
+    if engine == "ray":
+        from .ray_engine import run_on_ray  # Ray is an optional extra: imported only when asked for
+
+        return run_on_ray(todo, out, notebook, kernel_name, point_timeout, **options)
+    if options:
+        raise ValueError(f"the local engine takes no {', '.join(sorted(options))}; those are for --engine ray")
+    return local_engine(todo, out, notebook, kernel_name, point_timeout)
+
+
 def run_sweep(
     points: list[dict],
     out,
@@ -72,14 +83,7 @@ def run_sweep(
     counts = dict.fromkeys(STATUSES, 0)
     started = datetime.datetime.now(datetime.timezone.utc)
     options = {key: value for key, value in engine_options.items() if value is not None}
-    if engine == "ray":
-        from .ray_engine import run_on_ray  # Ray is an optional extra: imported only when asked for
-
-        rows = run_on_ray(todo, out, notebook, kernel_name, point_timeout, **options)
-    elif options:
-        raise ValueError(f"the local engine takes no {', '.join(sorted(options))}; those are for --engine ray")
-    else:
-        rows = local_engine(todo, out, notebook, kernel_name, point_timeout)
+    rows = _start(engine, todo, out, notebook, kernel_name, point_timeout, options)
     try:
         # closing(): an interrupt anywhere in this loop reaches the engine, which stops its running points.
         with (

@@ -17,9 +17,10 @@ import subprocess
 import sys
 
 from ..releases import INSTALLED, RELEASES, ROOT, install_reference, release_values
+from ..schema import DEFAULTS, beams
 
 STRATEGIES = ("greedy", "beam")
-# A reference point's parameters: these of kvlab.lab.point's, with its defaults, and the cache_implementation.
+# A reference point's parameters: these of the point's (kvlab.schema.DEFAULTS), and the cache_implementation.
 REFERENCE_KEYS = (
     "preset",
     "overrides",
@@ -77,12 +78,12 @@ def showcase_table(results):
 
 def measure_references(version: str, points: list[dict]) -> list[dict]:
     """Run release `version`'s own `generate()` at each point (a dict of REFERENCE_KEYS and cache_implementation,
-    the rest kvlab.lab.point's defaults) in one subprocess; return their measured records. The release is imported
+    the rest kvlab.schema.DEFAULTS) in one subprocess; return their measured records. The release is imported
     once, and each point still builds its own model and prompt."""
+    # Here, not above: the worker's process imports this module under old releases, which these need not load.
     from ..configs import build_config, parse_overrides
     from ..loops import check_choice
     from ..models import attention_of, final_kv_bytes, parse_dtype, resolve_device
-    from ..schema import DEFAULTS, beams  # here, not above: the worker's process imports this module under old releases
 
     defaults = dict({key: DEFAULTS[key] for key in REFERENCE_KEYS}, cache_implementation=None)
     specs = []

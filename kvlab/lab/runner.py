@@ -22,9 +22,12 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # The folder holding notebooks/ and data/: the checkout kvlab runs from (an editable install, make), else the copies
 # a wheel carries inside the package (pyproject.toml maps them to kvlab/notebooks and kvlab/data).
 PROJECT_DIR = next(
-    folder
-    for folder in (PACKAGE_DIR.parent, PACKAGE_DIR)
-    if (folder / "notebooks" / "A1_experiment_point.ipynb").exists()
+    (
+        folder
+        for folder in (PACKAGE_DIR.parent, PACKAGE_DIR)
+        if (folder / "notebooks" / "A1_experiment_point.ipynb").exists()
+    ),
+    PACKAGE_DIR.parent,  # neither: run_sweep names the missing notebook, and --notebook gives another
 )
 # The notebook every point runs; named here only (scripts ask: python -c "from kvlab.lab.runner import POINT_NOTEBOOK").
 POINT_NOTEBOOK = PROJECT_DIR / "notebooks" / "A1_experiment_point.ipynb"

@@ -137,6 +137,9 @@ def _rows(path: Path) -> list[dict]:
             continue
         if isinstance(row, dict) and row.get("point_id") and row.get("status") in STATUSES:
             saved[row["point_id"]] = row
+        else:  # JSON, but not a point's row: kept aside like a torn one
+            _set_aside(record, "not a point's row (no point_id or an unknown status)", "its point runs again")
+            lost.add(record.stem)
     table, damage = _table_rows(path)
     if damage and not saved:  # nothing to remake it from: leave it as it is for a person to look at
         raise ValueError(
@@ -151,7 +154,12 @@ def _rows(path: Path) -> list[dict]:
             f"{', ...' if len(orphans) > 3 else ''}): the table is remade from the records, so those rows "
             f"would be lost; move the table away, or put their records back"
         )
-    return sorted(saved.values(), key=lambda row: (str(row.get("started_at") or ""), row["point_id"]))
+    return sorted(saved.values(), key=_started)
+
+
+def _started(row: dict) -> tuple[str, str]:
+    """The table's order: the points in the order they started (a point id breaks a tie)."""
+    return str(row.get("started_at") or ""), row["point_id"]
 
 
 def _write_table(path: Path, rows: list[dict], columns: list[str] = COLUMNS) -> None:
@@ -170,7 +178,7 @@ def append_row(path: str | os.PathLike, row: dict) -> None:
     with locked(path):  # another writer's row lands before our read or after our write, never in between
         rows = [saved for saved in _rows(path) if saved["point_id"] != row["point_id"]]
         _save_row(path.parent / "records", row)
-        _write_table(path, rows + [row])
+        _write_table(path, sorted(rows + [row], key=_started))
 
 
 def rebuild(path: str | os.PathLike) -> list[dict]:

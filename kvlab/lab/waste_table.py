@@ -30,9 +30,9 @@ def check_names(names) -> list[str]:
 def write_waste(names, out, command: str) -> None:
     """Measure the points `names` (or the cache growth) and store them in OUT; a point's rows replace its stored
     ones, the points kept in kvlab.waste.POINTS' order. `command` is what provenance.json logs for the run."""
+    names = check_names(names)  # a bad name is said before a missing extra
     import pandas as pd
 
-    names = check_names(names)
     torch.set_num_threads(1)  # as the stored tables were measured (their provenance.json: one thread)
     started = datetime.datetime.now(datetime.timezone.utc)
     out = Path(out)
@@ -55,7 +55,8 @@ def write_waste(names, out, command: str) -> None:
         rows = pd.DataFrame(waste.terms(name), columns=waste.COLUMNS)
         kept = pd.read_csv(path, keep_default_na=False) if path.exists() else pd.DataFrame(columns=waste.COLUMNS)
         table = pd.concat([kept[kept["point"] != name], rows])
-        order = table["point"].map(list(waste.POINTS).index)  # the points in POINTS' order, whichever ran last
+        # the points in POINTS' order, whichever ran last; any other after them
+        order = table["point"].map({point: i for i, point in enumerate(waste.POINTS)}).fillna(len(waste.POINTS))
         table.iloc[order.argsort(kind="stable")].to_csv(path, index=False)
         print(rows[["point", "kind", "term", "bytes", "share_of_peak"]].to_string(index=False), flush=True)
     append_run(
