@@ -125,10 +125,10 @@ def _save_row(records: Path, row: dict) -> None:
 
 
 def _rows(path: Path) -> list[dict]:
-    """The folder's rows, from its records (the one truth), in the order the points started; the table beside them
+    """The folder's rows, from its records (the one truth), in the order they were saved; the table beside them
     checked, and set aside if damaged, since it is remade from them (hold the lock)."""
     records, saved, lost = path.parent / "records", {}, set()
-    for record in sorted(records.glob("*.json")):
+    for record in sorted(records.glob("*.json"), key=lambda p: (p.stat().st_mtime_ns, p.name)):  # oldest first
         try:
             row = json.loads(record.read_text())
         except ValueError as error:  # not JSON, not text: a torn copy or a hand edit
@@ -147,19 +147,14 @@ def _rows(path: Path) -> list[dict]:
             f"repair the file or move it away"
         )
     if damage:
-        _set_aside(path, damage, f"the table is remade from {records}")
+        _set_aside(path, damage, f"the table is rebuilt from {records}")
     if orphans := [row["point_id"] for row in table if row["point_id"] not in saved.keys() | lost]:
         raise ValueError(
             f"{path} has rows with no record in {records} ({', '.join(orphans[:3])}"
             f"{', ...' if len(orphans) > 3 else ''}): the table is remade from the records, so those rows "
             f"would be lost; move the table away, or put their records back"
         )
-    return sorted(saved.values(), key=_started)
-
-
-def _started(row: dict) -> tuple[str, str]:
-    """The table's order: the points in the order they started (a point id breaks a tie)."""
-    return str(row.get("started_at") or ""), row["point_id"]
+    return list(saved.values())
 
 
 def _write_table(path: Path, rows: list[dict], columns: list[str] = COLUMNS) -> None:
@@ -178,7 +173,7 @@ def append_row(path: str | os.PathLike, row: dict) -> None:
     with locked(path):  # another writer's row lands before our read or after our write, never in between
         rows = [saved for saved in _rows(path) if saved["point_id"] != row["point_id"]]
         _save_row(path.parent / "records", row)
-        _write_table(path, sorted(rows + [row], key=_started))
+        _write_table(path, rows + [row])  # the newest record last, as _rows reads them
 
 
 def rebuild(path: str | os.PathLike) -> list[dict]:
