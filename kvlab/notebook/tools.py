@@ -24,6 +24,22 @@ MACHINE_PATHS = re.compile(
     + r"|/home/\w|/root/|/tmp/|/content/|site-packages|[A-Z]:\\\\Users"
 )
 WARNING = re.compile(r"\w*Warning\b|^warning:", re.IGNORECASE | re.MULTILINE)
+# A lesson (01-07, not an appendix) is read in one sitting: its prose is at most this many words, and the seven
+# together at most LESSONS_WORDS; longer material goes to an appendix (notebooks/README.md).
+LESSON_WORDS, LESSONS_WORDS = 1500, 7500
+TABLE_ROWS = 12  # the most rows a lesson's table shows
+FENCE = re.compile(r"```.*?```", re.DOTALL)
+HTML_ROW = re.compile(r"<tr\b")
+
+
+def is_lesson(name: str) -> bool:
+    return name[:1].isdigit()
+
+
+def prose_words(nb) -> int:
+    """Words of prose: markdown cells without the badge line, fenced code blocks or markup-only tokens."""
+    text = " ".join(FENCE.sub(" ", BADGE_LINE.sub("", c.source)) for c in nb.cells if c.cell_type == "markdown")
+    return sum(1 for token in text.split() if re.search(r"\w", token))
 
 
 def is_setup_cell(cell) -> bool:
@@ -108,7 +124,9 @@ def problems(nb, name: str) -> list[str]:
             "the setup cell differs from kvlab.notebook.colab.SETUP_CELL (run `stamp`)",
         ),
     ]
-    found = [message for failed, message in checks if failed]
+    found = [message for failed, message in checks if failed] + order_problems(nb)
+    if is_lesson(name) and (words := prose_words(nb)) > LESSON_WORDS:
+        found.append(f"{words} words of prose; a lesson has at most {LESSON_WORDS} (move depth to an appendix)")
     for i, cell in enumerate(nb.cells):
         if "papermill" in cell.metadata or "execution" in cell.metadata:
             found.append(f"cell {i}: per-cell papermill metadata or execution timestamps")
@@ -126,6 +144,37 @@ def problems(nb, name: str) -> list[str]:
                 found.append(f"cell {i}: a warning in the output: {WARNING.search(text).group(0)}")
             if MACHINE_PATHS.search(text):
                 found.append(f"cell {i}: a machine path in the output: {MACHINE_PATHS.search(text).group(0)}")
+            found += [f"cell {i}: {message}" for message in table_problems(output, is_lesson(name))]
+    return found
+
+
+def order_problems(nb) -> list[str]:
+    """One cell order in every notebook: the title (and what you learn), the Colab setup cell, a '## Parameters'
+    markdown cell, the parameters cell."""
+    kinds = [
+        (0, lambda c: c.cell_type == "markdown" and c.source.startswith("# "), "the '# ' title"),
+        (1, is_setup_cell, "the Colab setup cell"),
+        (2, lambda c: c.cell_type == "markdown" and c.source.startswith("## Parameters"), "'## Parameters' prose"),
+        (3, lambda c: "parameters" in c.metadata.get("tags", []), "the parameters cell"),
+    ]
+    return [
+        f"cell {i} should be {what} (order: title, Colab setup, '## Parameters', parameters)"
+        for i, fits, what in kinds
+        if len(nb.cells) <= i or not fits(nb.cells[i])
+    ]
+
+
+def table_problems(output, lesson: bool) -> list[str]:
+    """A shown table is whole: no cell cut short with '…' (pandas' max_colwidth), at most TABLE_ROWS rows in
+    a lesson."""
+    html = output.get("data", {}).get("text/html", "") if output.get("output_type") != "stream" else ""
+    text = output_text(output)
+    found = ["a table cell cut short ('…')"] if "…" in html or re.search(r"\S\.\.\.(\s|$)", html) else []
+    rows = len(HTML_ROW.findall(html)) - 1  # the header row
+    if lesson and rows > TABLE_ROWS:
+        found.append(f"a table of {rows} rows; a lesson shows at most {TABLE_ROWS}")
+    if "…" in text and "<table" not in html and output.get("output_type") == "execute_result":
+        found.append("an output cut short ('…')")
     return found
 
 
