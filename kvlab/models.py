@@ -93,9 +93,10 @@ def instantiate(config, dtype: torch.dtype):
 
 def build_model(preset: str = "toy", overrides=None, device: str = "cpu", dtype: str = "float32", seed: int = 0):
     """A model in eval mode (a decoder or an encoder–decoder): random weights (seeded) from a preset or a
-    local config.json, or real weights from a hub id."""
+    local config.json; real weights for a hub id and for the presets of `kvlab.weights.REAL_WEIGHTS`."""
     from .configs import hub_error, hub_reachable, is_hub_id, load_config
     from .presets import ENCODER_DECODERS, vary_decoder
+    from .weights import REAL_WEIGHTS, load_state, state_file
 
     check_device(device)
     torch_dtype = parse_dtype(dtype)
@@ -121,6 +122,8 @@ def build_model(preset: str = "toy", overrides=None, device: str = "cpu", dtype:
             model = instantiate(config, torch_dtype)
         if preset in ENCODER_DECODERS:
             vary_decoder(model)
+        if preset in REAL_WEIGHTS:
+            load_state(model, state_file(preset), torch_dtype)
     g = model.generation_config
     g.eos_token_id = None
     if config.is_encoder_decoder:  # greedy argmax and nothing else: Whisper's suppresses tokens at the first step

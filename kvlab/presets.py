@@ -74,6 +74,24 @@ DECODERS: dict[str, tuple[type, dict]] = {
             rms_norm_eps=1e-5,
         ),
     ),
+    "smollm2-135m": (
+        LlamaConfig,
+        dict(  # HuggingFaceTB/SmolLM2-135M-Instruct, as its GGUF file says (real weights: kvlab.weights)
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            head_dim=64,
+            vocab_size=49152,
+            max_position_embeddings=8192,
+            rms_norm_eps=9.999999747378752e-06,  # 1e-5 as the file's float32
+            rope_theta=100000.0,
+            tie_word_embeddings=True,
+            bos_token_id=1,
+            eos_token_id=2,
+        ),
+    ),
     "mistral-7b": (
         MistralConfig,
         dict(  # mistralai/Mistral-7B-v0.1, sliding window off (as v0.2+)

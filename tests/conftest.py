@@ -6,7 +6,7 @@ from kvlab.models import build_model
 # `make test` runs two pytest-xdist workers (--dist loadgroup). The tests of each costly fixture (a Colab-like virtual
 # environment, a minute of decoding) share a group, so one worker builds it, once: session-scoped, so tests of another
 # module run in between do not tear it down. (pytest 9.2 silently breaks the groups: requirements.lock pins 9.1.1.)
-COSTLY_FIXTURES = {"cache_dominated", "twin_records", "probed", "records", "t5", "colab"}
+COSTLY_FIXTURES = {"cache_dominated", "twin_records", "probed", "records", "t5", "colab", "releases_text"}
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups

