@@ -7,6 +7,8 @@ same tokens" can be shown as a sentence rather than a list of ids.
 
 from __future__ import annotations
 
+import os
+import shutil
 from functools import lru_cache
 
 import torch
@@ -25,9 +27,14 @@ def tokenizer():
     from transformers import AutoTokenizer
 
     saved = cache_dir() / "smollm2-135m-tokenizer"
-    if not (saved / "tokenizer.json").is_file():
+    if not saved.is_dir():
         source = gguf_path(PRESET)
-        AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(saved)
+        partial = saved.with_name(f"{saved.name}.{os.getpid()}.partial")
+        AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(partial)
+        try:  # whole or not at all: a process converting beside this one may have put its folder there first
+            os.replace(partial, saved)
+        except OSError:
+            shutil.rmtree(partial, ignore_errors=True)
     return AutoTokenizer.from_pretrained(saved)
 
 

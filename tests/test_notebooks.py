@@ -20,7 +20,7 @@ import pytest
 
 from kvlab.lab import kernel
 from kvlab.notebook import colab
-from kvlab.notebook.tools import declared_parameters, problems
+from kvlab.notebook.tools import LESSON_WORDS, LESSONS_WORDS, declared_parameters, is_lesson, problems, prose_words
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS_DIR = ROOT / "notebooks"
@@ -78,6 +78,46 @@ def test_committed_notebook_is_executed_and_clean(path):
     )
     found = problems(nb, path.name)
     assert not found, f"{path.name} (fix, or `python -m kvlab.notebook run {path.name}`):\n  " + "\n  ".join(found)
+
+
+def test_the_lessons_are_read_in_an_afternoon():
+    """Lessons 01-07 (not the appendices) hold at most LESSONS_WORDS words of prose together, each at most
+    LESSON_WORDS (that one is also in `problems`)."""
+    words = {p.stem: prose_words(nbformat.read(p, as_version=4)) for p in NOTEBOOKS if is_lesson(p.name)}
+    assert len(words) >= 7, sorted(words)
+    assert all(count <= LESSON_WORDS for count in words.values()), words
+    assert sum(words.values()) <= LESSONS_WORDS, words
+
+
+def test_prose_words_counts_prose_only():
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_markdown_cell(f"# Title two\n\n{colab.badge('x.ipynb')}\n\nOne, two — three."),
+            nbformat.v4.new_markdown_cell("Four:\n\n```python\nnot = counted\n```\n\n| five | six |\n|---|---|"),
+            nbformat.v4.new_code_cell("# words in code are not prose"),
+        ]
+    )
+    assert prose_words(nb) == 8  # Title two One, two three. Four: five six ("—", "|", "|---|---|" are not words)
+
+
+def test_a_lessons_length_order_and_tables_are_checked():
+    rows = "".join(f"<tr><td>{i}</td></tr>" for i in range(13))
+    table = f"<table><tr><th>a</th></tr>{rows}<tr><td>cut sho…</td></tr></table>"
+    nb = nbformat.v4.new_notebook(
+        cells=[
+            nbformat.v4.new_markdown_cell("# 01 · A title\n\n" + "word " * 1501),
+            nbformat.v4.new_code_cell("tiny = False", metadata={"tags": ["parameters"]}),
+            nbformat.v4.new_code_cell(
+                "table",
+                execution_count=1,
+                outputs=[nbformat.v4.new_output("execute_result", data={"text/html": table})],
+            ),
+        ]
+    )
+    found = "\n".join(problems(nb, "01_x.ipynb"))
+    for expected in ("cell 1 should be the Colab setup cell", "1504 words", "cut short", "a table of 14 rows"):
+        assert expected in found, f"{expected!r} not reported in:\n{found}"
+    assert "words" not in "\n".join(problems(nb, "A9_x.ipynb"))  # an appendix has no word limit
 
 
 def test_problems_are_found():
