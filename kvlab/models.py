@@ -137,9 +137,15 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
+def kv_heads(config) -> int:
+    """Heads of keys and values: grouped (num_key_value_heads) or, where a config has no such field (GPT-2, OPT),
+    one per query head."""
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def kv_bytes_per_token(config, batch: int, dtype: str) -> int:
     """Bytes one token adds to the KV cache of the whole model (keys and values, every layer)."""
-    return 2 * config.num_hidden_layers * batch * config.num_key_value_heads * head_dim(config) * element_size(dtype)
+    return 2 * config.num_hidden_layers * batch * kv_heads(config) * head_dim(config) * element_size(dtype)
 
 
 def final_kv_bytes(config, sequences: int, tokens: int, dtype: str) -> int:

@@ -42,6 +42,9 @@ INT64 = 8
 FP32 = 4
 # Decoders whose attention transformers runs only in eager PyTorch (GPT-OSS: its attention sinks have no SDPA path):
 # scores, masks and repeat_kv copies are real tensors at every step.
+# Decoders whose layers this module walks through (attention with grouped KV heads, gated MLP; GPT-OSS's eager
+# attention with sinks and its grouped_mm experts); for any other model_type it has no prediction.
+MODELED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss")
 EAGER_ATTENTION = ("gpt_oss",)
 
 

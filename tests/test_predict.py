@@ -82,6 +82,20 @@ def test_a_model_type_theory_does_not_model_is_refused(tmp_path, capsys):
     assert "model_type 'gpt2' is not modelled" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("model_type", ["gpt2", "opt"])
+def test_a_model_type_theory_does_not_model_is_measured_without_a_prediction(tmp_path, model_type):
+    """GPT-2 and OPT configs have no num_key_value_heads: one KV head per query head, counted by hand here."""
+    from transformers import AutoConfig
+
+    sizes = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=512)
+    extra = dict(ffn_dim=128, word_embed_proj_dim=64, max_position_embeddings=64) if model_type == "opt" else {}
+    AutoConfig.for_model(model_type, **sizes, **extra).to_json_file(tmp_path / "config.json")
+    record, _ = measure(preset=str(tmp_path), batch=1, prompt=16, new=4, timing=False)
+    assert record["kv_final_bytes"] == 2 * 2 * 4 * (64 // 4) * 4 * (16 + 4)  # K and V, layers, heads, head_dim, fp32
+    assert record["predicted_overhead_bytes"] is None and record["prediction_error"] is None
+    assert record["overhead_bytes"] > record["kv_final_bytes"]
+
+
 @pytest.mark.parametrize(
     "text, expected",
     [

@@ -105,7 +105,9 @@ def measure(model=None, **params):
 def _record(p: dict, config, measured: dict, seconds: float | None, origin: dict) -> dict:
     """The flat record of a measured point: its parameters, what the meter saw, KV, theory, speed, provenance."""
     kv_final = final_kv_bytes(config, p["batch"] * beams(p), p["prompt"] + p["new"] + p["restart_new"], p["dtype"])
-    predicted = theory.predict_overhead(config, **{k: p[k] for k in theory.POINT_KEYS})
+    # No prediction rather than a wrong one for a model type the theory does not walk through.
+    modeled = config.model_type in theory.MODELED
+    predicted = theory.predict_overhead(config, **{k: p[k] for k in theory.POINT_KEYS}) if modeled else None
     overhead = measured["overhead_bytes"]
     values = dict(
         measured,

@@ -20,9 +20,6 @@ from ..schema import DESIGNS, beams
 from .params import normalize
 
 GIB = 2**30
-# Decoders whose layers kvlab.theory walks through (attention with grouped KV heads, gated MLP; GPT-OSS's eager
-# attention with sinks and its grouped_mm experts).
-MODELED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss")
 UNITS = {
     "": 1,
     "b": 1,
@@ -135,10 +132,10 @@ def designs_for(cache: str | None, loop: str | None, p: dict) -> list[tuple[str,
 
 def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: bool) -> Prediction:
     config = load_config(p["preset"], p["overrides"])
-    if config.model_type not in MODELED:
+    if config.model_type not in theory.MODELED:
         raise ValueError(
             f"{p['preset']}: model_type {config.model_type!r} is not modelled by kvlab.theory, which "
-            f"models {', '.join(MODELED)} decoders; choose one of: {', '.join(DECODERS)}, or such a config"
+            f"models {', '.join(theory.MODELED)} decoders; choose one of: {', '.join(DECODERS)}, or such a config"
         )
     weights = model_weight_bytes(config, p["dtype"])
     rows = []
@@ -262,7 +259,7 @@ def check_fits(p: dict, model=None) -> None:
         if is_hub_id(p["preset"]):  # no config to predict from; loading the model will say why
             return
         raise
-    if getattr(config, "model_type", None) not in MODELED:
+    if getattr(config, "model_type", None) not in theory.MODELED:
         return
     weights = 0 if model is not None else model_weight_bytes(config, p["dtype"])
     overhead = theory.predict_overhead(config, **point_of(p))
