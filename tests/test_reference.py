@@ -139,6 +139,17 @@ def test_bad_input_fails_before_any_subprocess():
         measure_references(INSTALLED, [dict(preset="nope")])
 
 
+def test_a_reference_point_takes_a_config_json_as_kvlab_does(tmp_path):
+    """--kind reference takes what --preset takes: the installed release's own generate() of a config.json, beside
+    kvlab's dynamic/v5 of the same file."""
+    build_config("toy").to_json_file(tmp_path / "config.json")
+    point = dict(preset=str(tmp_path), batch=1, prompt=16, new=4, timing=False)
+    ours = run_point(**point)
+    real = run_point(kind="reference", cache="dynamic", loop="v5", **point)
+    assert real["transformers_version"] == transformers.__version__
+    assert real["overhead_bytes"] == pytest.approx(ours["overhead_bytes"], rel=0.01)
+
+
 @pytest.mark.parametrize("pair", PAIR_PARAMS)
 def test_each_release_runs_and_reports_its_version(pair):
     records = real_records(pair)

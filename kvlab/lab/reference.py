@@ -81,7 +81,7 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
     the rest kvlab.schema.DEFAULTS) in one subprocess; return their measured records. The release is imported
     once, and each point still builds its own model and prompt."""
     # Here, not above: the worker's process imports this module under old releases, which these need not load.
-    from ..configs import build_config, parse_overrides
+    from ..configs import load_config, parse_overrides
     from ..loops import check_choice
     from ..models import attention_of, final_kv_bytes, parse_dtype, resolve_device
     from ..weights import REAL_WEIGHTS, state_file
@@ -104,7 +104,7 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
                 f"a restart passes back the tuples a 4.x release returns, greedy; choose one of: {', '.join(RELEASES)}"
             )
         parse_dtype(p["dtype"])
-        config = build_config(p["preset"], p["overrides"])  # raises on a bad preset or override, before any subprocess
+        config = load_config(p["preset"], p["overrides"])  # raises on a bad preset or override, before any subprocess
         if version == INSTALLED:  # the same release: every value (layer_types, head_dim, experts, rope), as is
             values = {
                 key: value
