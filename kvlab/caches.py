@@ -321,10 +321,27 @@ def sliding_windows(config) -> list[int | None]:
     return [kw.get("sliding_window") if "sliding" in kind else None for kind, kw in zip(types, options)]
 
 
+# The layer types kvlab's caches hold; 5.x also has chunked attention (a window that restarts), layers that cache
+# nothing (MoE/MLP-only, KV sharing) and recurrent state (linear attention, Mamba), which kvlab does not run.
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
+def check_layers(config) -> None:
+    """Refuse, before anything is allocated, a model with a layer type kvlab's caches do not hold."""
+    types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    if other := sorted(set(types) - set(LAYER_TYPES)):
+        counts = ", ".join(f"{types.count(kind)} {kind}" for kind in other)
+        raise ValueError(
+            f"{config.model_type}: kvlab's caches hold {' and '.join(LAYER_TYPES)} layers, not {counts} of its "
+            f"{len(types)} layers; transformers' own generate() runs it (kind reference, cache dynamic, loop v5)"
+        )
+
+
 def make_cache(name: str, model, *, max_cache_len: int | None = None, chunk_limit: int = 50, block_tokens: int = 32):
     """An empty cache of design `name` for `model`."""
     if name not in CACHES:
         raise ValueError(f"unknown cache {name!r}; choose one of: {', '.join(CACHES)}")
+    check_layers(model.config)
     layers = num_layers(model)
     if name == "tuple":
         return TupleCache.from_tuples((), layers)

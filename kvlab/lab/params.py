@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..caches import CACHES
+from ..caches import CACHES, check_layers
 from ..configs import load_config, parse_overrides
 from ..graphs import RUNTIMES, check_runtime
 from ..loops import LOOPS, STRATEGIES, check_choice
@@ -80,6 +80,8 @@ def normalize(**params) -> dict:
             f"{p['preset']} is an encoder-decoder model: measure, predict, compare and sweep run decoders; "
             "notebook 06 serves them (kvlab.encdec)"
         )
+    if p["kind"] == "kvlab":
+        check_layers(config)
     if p["track_storages"] == "auto":
         p["track_storages"] = torch.device(p["device"]).type != "cuda"
     p["track_storages"] = is_true(p["track_storages"])
