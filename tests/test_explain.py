@@ -73,6 +73,10 @@ def test_tuple_loop_peak_holds_the_old_tuple_and_the_new_cache(toy):
         run()
     assert explanation.peak_bytes == meter.report().overhead_bytes
     assert "generate: kv.layers[i].keys" in explanation.format()
+    # Small holders left out are counted, not dropped: the shown groups and the last line add up to the peak.
+    short = explanation.format(min_share=0.01).splitlines()
+    assert short[-1].startswith("and ") and len(short) < len(explanation.format().splitlines())
+    assert all(float(line.split()[0]) >= 0.01 * explanation.peak_bytes / 2**20 for line in short[2:-1])
 
 
 def test_one_cache_object_holds_one_cache(toy):
