@@ -333,9 +333,10 @@ MODE_STYLES = {
 }
 
 
-def mode_lines(ax, df: pd.DataFrame, x: str, y: str):
+def mode_lines(ax, df: pd.DataFrame, x: str, y: str, legend: bool = True):
     """One line per stream mode of `df` (column `mode`), in MODES' order: its colour, dash and a hollow marker
-    that shrinks from mode to mode, so that modes whose lines coincide all stay visible."""
+    that shrinks from mode to mode, so that modes whose lines coincide all stay visible. `legend=False` leaves
+    the legend to the caller (one for a figure of several panels: `ax.get_legend_handles_labels()`)."""
     present = [mode for mode in MODE_STYLES if mode in set(df["mode"])]
     for i, mode in enumerate(present):
         line = df[df["mode"] == mode].sort_values(x)
@@ -354,7 +355,8 @@ def mode_lines(ax, df: pd.DataFrame, x: str, y: str):
             **style,
         )
     ax.set_xlabel(x)
-    ax.legend(title="mode", loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
+    if legend:
+        ax.legend(title="mode", loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
     return ax
 
 
