@@ -160,7 +160,7 @@ def test_the_command_line_prints_the_holders_and_refuses_bad_input_in_one_line(c
 @pytest.mark.slow  # 5.24's generate() drops an all-ones mask; 5.17's (make test-all's rerun, quick tests only) does not
 def test_v5_beam_on_a_sliding_layout_differs_from_5x_generate_by_its_per_row_mask():
     """kvlab's loop passes the attention mask of ones, so the sliding mask gets a row per beam; 5.24's generate()
-    drops it and shares one row (the README's explanation of the 0.8 % between them)."""
+    drops it and shares one row (docs/results.md's explanation of the 0.8 % between them)."""
     model = build_model("mistral-7b-v0.1-twin", ["sliding_window=64"], dtype="bfloat16")
     rows, prompt = 3, 100
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
