@@ -171,14 +171,15 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new"):
     designs = [d for d in DESIGN_LABELS if d in set(rows["design"])] + sorted(set(rows["design"]) - set(DESIGN_LABELS))
     colours = dict(zip(designs, sns.color_palette("tab10", len(designs))))
     for ax, (name, part) in zip(axes[0], panels):
-        for (preset, design), line in part.groupby(["preset", "design"], sort=False):
+        # Hollow markers that shrink from line to line: where designs coincide, each stays visible inside the last.
+        for i, ((preset, design), line) in enumerate(part.groupby(["preset", "design"], sort=False)):
             label = f"{design} ({preset})" if several else design
             ax.plot(
                 line[vary],
                 line["measured_x"],
                 "-",
                 marker=MARKERS[designs.index(design) % len(MARKERS)],
-                markersize=7,
+                markersize=max(11 - 2 * i, 4),
                 fillstyle="none",
                 markeredgewidth=1.5,
                 color=colours[design],
@@ -195,16 +196,34 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new"):
         else:
             ax.set_ylim(0, max(2.2, part["measured_x"].max() * 1.08))
         ax.set(xlim=(0, None), xlabel=AXIS_NAMES[vary], title=name)
-        ax.legend(fontsize=9, loc="best")
     axes[0][0].set_ylabel("peak above the weights ÷ final KV (x)")
+    _figure_legend(fig, axes[0], ncol=4)
     first = rows.iloc[0]
     fig.suptitle(
         f"Peak against {AXIS_NAMES[vary]}, in final KV caches: {first['preset']} {first['dtype']} "
         f"on {first['device']}, {_held(first, vary)}",
         fontsize=11,
     )
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.055 * -(-len(fig.legends[0].get_texts()) // 4), 1, 1))
     return fig
+
+
+def _figure_legend(fig, axes, ncol: int, extra=()):
+    """One legend for all `axes`, below them (never over a point): each label once, in the order first drawn;
+    `extra`: (handle, label) pairs added at the end."""
+    entries = {}
+    for ax in axes:
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            entries.setdefault(label, handle)
+    entries.update({label: handle for handle, label in extra})
+    return fig.legend(
+        list(entries.values()),
+        list(entries),
+        loc="lower center",
+        ncol=min(ncol, len(entries)),
+        fontsize=9,
+        frameon=False,
+    )
 
 
 def improvement_table(df: pd.DataFrame, vary: str = "new") -> pd.DataFrame:
@@ -230,6 +249,7 @@ def improvement_table(df: pd.DataFrame, vary: str = "new") -> pd.DataFrame:
 # PR #30536's own factors (its description and discussion; RTX 4090): drawn beside ours, never computed. The
 # minimal factor is per model ("~1.22 for Mistral and ~1.62 for Llama2"); the maximal one "2" for both.
 PR_MINIMAL = {"llama2": 1.62, "mistral": 1.22}
+PR_MODELS = {"llama2": "Llama-2-7B", "mistral": "Mistral-7B"}
 
 
 def _pr_factors(preset: str) -> dict:
@@ -237,30 +257,54 @@ def _pr_factors(preset: str) -> dict:
     return {"maximal": 2.0, **({f"minimal ({model})": PR_MINIMAL[model]} if model else {})}
 
 
-def improvement_figure(df: pd.DataFrame, sizes=SIZES, title: str = ""):
-    """One panel per size: the measured v4.40 / v4.42 ratio (markers), kvlab.theory's minimal and maximal
-    factors for the same model (thin black dashes) and the PR's own factors for that model only (grey
-    triangles on the right edge, as the PR states them), on a ratio axis from 1 (no saving)."""
+def improvement_figure(df: pd.DataFrame, sizes=SIZES, title: str = "", peaks: bool = False):
+    """One column per size: the measured v4.40 / v4.42 ratio (markers), kvlab.theory's minimal and maximal
+    factors for the same model (thin black dashes, named at their left end) and the PR's own factors for that model
+    only (grey triangles on the right edge, as the PR states them), on a ratio axis from 1 (no saving).
+    `peaks=True` adds a row above: each of the two peaks ÷ the final KV (tuple / v4.40, dynamic / v4.42; y from
+    zero, kvlab.theory's prediction a thin black dash over each), so the ratio below is read off two lines. One
+    legend, below the panels."""
     tables = {}
     for vary in sizes:
         try:
             tables[vary] = improvement_table(df, vary)
         except ValueError:  # this table has no such series
             continue
-    fig, axes = plt.subplots(1, len(tables), figsize=(3.3 * len(tables), 4.0), squeeze=False, sharey=True)
-    for ax, (vary, table) in zip(axes[0], tables.items()):
+    nrows = 2 if peaks else 1
+    fig, axes = plt.subplots(
+        nrows,
+        len(tables),
+        figsize=(min(WIDTH, max(3.3 * len(tables), 7.5)), 2.75 * nrows + 1.3),  # one series: wide enough for the legend
+        squeeze=False,
+        sharex="col",
+        sharey="row",
+    )
+    first = next(iter(tables.values())).iloc[0]
+    theory_dash = dict(linestyle="--", color="black", linewidth=0.8)
+    for column, (vary, table) in enumerate(tables.items()):
+        if peaks:
+            _peaks_panel(axes[0][column], df, vary)
+        ax = axes[-1][column]
         several = table["preset"].nunique() > 1
         for i, (preset, part) in enumerate(table.groupby("preset", sort=False)):
-            colour = sns.color_palette("tab10")[i]
             for bound in ("minimal", "maximal"):
-                ax.plot(part[vary], part[bound], "--", color="black", linewidth=0.8)
+                ax.plot(part[vary], part[bound], zorder=3, **theory_dash)
+                if i == 0:
+                    ax.annotate(  # the maximal one above its line, the minimal one below: clear of the data
+                        bound,
+                        (part[vary].iloc[0], part[bound].iloc[0]),
+                        xytext=(0, 3 if bound == "maximal" else -6),
+                        textcoords="offset points",
+                        fontsize=8,
+                        va="bottom" if bound == "maximal" else "top",
+                    )
             ax.plot(
                 part[vary],
                 part["measured"],
-                "o-",
-                color=colour,
+                "D-",
+                color=sns.color_palette("tab10")[4 + i],
                 zorder=4,
-                label=f"measured ({preset})" if several else "measured",
+                label=f"saving, measured ({preset})" if several else "saving, measured",
             )
             for value in _pr_factors(preset).values():
                 ax.plot(
@@ -273,24 +317,57 @@ def improvement_figure(df: pd.DataFrame, sizes=SIZES, title: str = ""):
                     zorder=5,
                     transform=ax.get_yaxis_transform(),
                 )
-        ax.set(ylim=(1, 2.1), xlim=(0, None), xlabel=AXIS_NAMES[vary])
-        ax.set_title(_held(table.iloc[0], vary), fontsize=10)
-    axes[0][0].set_ylabel("peak of tuple / v4.40 ÷ peak of dynamic / v4.42 (x)")
-    first = next(iter(tables.values())).iloc[0]
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    stated = ", ".join(f"{name} {value:g}" for name, value in _pr_factors(first["preset"]).items())
-    handles += [
-        plt.Line2D([], [], linestyle="--", color="black", linewidth=0.8),
-        plt.Line2D([], [], marker="<", color="grey", linestyle="", markersize=9),
+        # x to 7 % past the last point: the PR's triangles on the right edge stay clear of it
+        ax.set(ylim=(1, 2.15), xlim=(0, table[vary].max() * 1.07), xlabel=AXIS_NAMES[vary])
+        axes[0][column].set_title(_held(table.iloc[0], vary), fontsize=10)
+    axes[-1][0].set_ylabel("saving (x): tuple / v4.40\npeak ÷ dynamic / v4.42 peak")
+    if peaks:
+        axes[0][0].set_ylabel("peak above the weights\n÷ final KV (x)")
+    model = next((name for key, name in PR_MODELS.items() if first["preset"].startswith(key)), first["preset"])
+    stated = ", ".join(f"{name.split(' (')[0]} {value:g}" for name, value in _pr_factors(first["preset"]).items())
+    extra = [
+        (plt.Line2D([], [], **theory_dash), "kvlab.theory"),
+        (
+            plt.Line2D([], [], marker="<", color="grey", linestyle="", markersize=9),
+            f"PR #30536's own factors for {model}: {stated}",
+        ),
     ]
-    labels += ["kvlab.theory: minimal and maximal factors", f"PR #30536's own factors ({stated})"]
-    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
+    columns = 3 if len(tables) > 2 else 2
+    legend = _figure_legend(fig, axes.flat, ncol=columns, extra=extra)
     fig.suptitle(
         title or f"How much the PR saved, measured: {first['preset']} {first['dtype']} on {first['device']}",
         fontsize=11,
     )
-    fig.tight_layout(rect=(0, 0.08, 1, 1))
+    rows_of_legend = -(-len(legend.get_texts()) // columns)
+    # right: room for the PR's triangles, drawn half outside the last panel
+    fig.tight_layout(rect=(0, 0.32 * rows_of_legend / fig.get_figheight(), 0.985, 1))
     return fig
+
+
+def _peaks_panel(ax, df: pd.DataFrame, vary: str):
+    """improvement_figure's upper row: the two peaks the ratio divides, ÷ the final KV, with 1x and 2x dotted."""
+    rows = series(measured(df), vary)
+    several = rows["preset"].nunique() > 1
+    for (cache, loop), colour, marker in ((BASELINE, "tab:blue", "o"), (FIXED, "tab:orange", "s")):
+        for preset, line in rows[(rows["cache"] == cache) & (rows["loop"] == loop)].groupby("preset", sort=False):
+            ax.plot(
+                line[vary],
+                line["overhead_bytes"] / line["kv_final_bytes"],
+                "-",
+                marker=marker,
+                markersize=7,
+                fillstyle="none",
+                markeredgewidth=1.5,
+                color=colour,
+                label=f"{cache} / {loop} ({preset})" if several else f"{cache} / {loop}",
+            )
+            predicted = line["predicted_overhead_bytes"] / line["kv_final_bytes"]
+            if predicted.notna().all():
+                ax.plot(line[vary], predicted, "--", color="black", linewidth=0.8, zorder=4)
+    for multiple in (1, 2):
+        ax.axhline(multiple, color="grey", linestyle=":", linewidth=1.2, zorder=1)
+    top = (rows["overhead_bytes"] / rows["kv_final_bytes"]).max()
+    ax.set_ylim(0, max(2.4, top * 1.08))
 
 
 def compare_figure(df: pd.DataFrame):
