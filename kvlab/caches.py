@@ -328,7 +328,13 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 
 def check_layers(config) -> None:
     """Refuse, before anything is allocated, a model with a layer type kvlab's caches do not hold."""
-    types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    text = config.get_text_config(decoder=True)
+    if getattr(text, "kv_lora_rank", None):  # 5.x passes the compressed latent to the cache, not per-head K/V
+        raise ValueError(
+            f"{config.model_type}: multi-head latent attention (kv_lora_rank={text.kv_lora_rank}) caches a latent that "
+            "kvlab's caches do not hold; transformers' own generate() runs it (kind reference, cache dynamic, loop v5)"
+        )
+    types, _ = get_layer_types_and_kwargs(text)
     if other := sorted(set(types) - set(LAYER_TYPES)):
         counts = ", ".join(f"{types.count(kind)} {kind}" for kind in other)
         raise ValueError(

@@ -70,8 +70,9 @@ class Explanation:
     held: list[Held] = field(default_factory=list)  # largest first
     forward: int | None = None  # the model forward the op ran in (0: the prefill; -1: before it), given the model
 
-    def format(self) -> str:
-        """A table: storages grouped by their first holder's name with indices as [i], largest first."""
+    def format(self, min_share: float = 0.0) -> str:
+        """A table: storages grouped by their first holder's name with indices as [i], largest first. Groups under
+        `min_share` of the peak are left out and counted in one last line (default: every group is shown)."""
         groups = defaultdict(lambda: [0, 0, 0])  # name -> storages, bytes, bytes their tensors show
         for item in self.held:
             row = groups[re.sub(r"\[\d+\]", "[i]", item.holders[0])]
@@ -81,9 +82,17 @@ class Explanation:
             f"peak {mib(self.peak_bytes)} after op #{self.op_index} {self.op} in {self.where}",
             f"{'bytes':>12} {'share':>6} {'count':>5}  held by",
         ]
+        left_out = [0, 0]  # groups, bytes
         for name, (count, nbytes, shown) in sorted(groups.items(), key=lambda g: -g[1][1]):
+            if nbytes < min_share * self.peak_bytes:
+                left_out[0], left_out[1] = left_out[0] + 1, left_out[1] + nbytes
+                continue
             view = f"  (views showing {mib(shown)})" if shown < nbytes else ""
             lines.append(f"{mib(nbytes):>12} {nbytes / max(self.peak_bytes, 1):>6.1%} {count:>5}  {name}{view}")
+        if left_out[0]:
+            lines.append(
+                f"and {left_out[0]} more holders, each under {min_share:.0%} of the peak: {left_out[1]:,} bytes"
+            )
         return "\n".join(lines)
 
 

@@ -84,7 +84,8 @@ def instantiate(config, dtype: torch.dtype):
 
     try:
         return model_class(config).from_config(config, dtype=dtype)
-    except (KeyError, ValueError, TypeError) as error:  # e.g. hidden_act=nope: KeyError 'nope' from the layers
+    # e.g. hidden_act=nope: KeyError 'nope' from the layers; a pad_token_id beyond the vocabulary: AssertionError
+    except (KeyError, ValueError, TypeError, AssertionError) as error:
         raise ValueError(
             f"transformers cannot build a {config.model_type} model from this config "
             f"({type(error).__name__}: {one_line(error)})"

@@ -73,6 +73,10 @@ def test_tuple_loop_peak_holds_the_old_tuple_and_the_new_cache(toy):
         run()
     assert explanation.peak_bytes == meter.report().overhead_bytes
     assert "generate: kv.layers[i].keys" in explanation.format()
+    # Small holders left out are counted, not dropped: the shown groups and the last line add up to the peak.
+    short = explanation.format(min_share=0.01).splitlines()
+    assert short[-1].startswith("and ") and len(short) < len(explanation.format().splitlines())
+    assert all(float(line.split()[0]) >= 0.01 * explanation.peak_bytes / 2**20 for line in short[2:-1])
 
 
 def test_one_cache_object_holds_one_cache(toy):
@@ -156,7 +160,7 @@ def test_the_command_line_prints_the_holders_and_refuses_bad_input_in_one_line(c
 @pytest.mark.slow  # 5.24's generate() drops an all-ones mask; 5.17's (make test-all's rerun, quick tests only) does not
 def test_v5_beam_on_a_sliding_layout_differs_from_5x_generate_by_its_per_row_mask():
     """kvlab's loop passes the attention mask of ones, so the sliding mask gets a row per beam; 5.24's generate()
-    drops it and shares one row (the README's explanation of the 0.8 % between them)."""
+    drops it and shares one row (docs/results.md's explanation of the 0.8 % between them)."""
     model = build_model("mistral-7b-v0.1-twin", ["sliding_window=64"], dtype="bfloat16")
     rows, prompt = 3, 100
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))

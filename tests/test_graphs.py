@@ -227,7 +227,7 @@ def test_bad_runtime_input_is_refused_in_one_line(params, message):
 
 
 def test_a_runtime_given_without_a_cache_measures_the_one_the_readme_names_for_it():
-    # The README's table of runtimes: what each carries when none is named, as measured on a small point.
+    # The table of runtimes (docs/graphs.md): what each carries when none is named, as measured on a small point.
     carried = {"eager": "dynamic", "jit-trace": "tuple", "convert": "dynamic", "export": "static"}
     for runtime, cache in carried.items():
         record = run_point(runtime=runtime, preset="toy", batch=2, prompt=8, new=4, timing=False)

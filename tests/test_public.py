@@ -106,3 +106,67 @@ def test_the_command_line_needs_no_extra_to_predict_and_names_the_extra_a_sweep_
         env={"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""},
     )
     assert sweep.returncode == 1 and "pip install 'kvlab[lab]'" in sweep.stderr, sweep.stderr[-2000:]
+
+
+README_MAX_BYTES = 12 * 1024  # a newcomer reads it in two minutes; depth lives in docs/
+HEADLINE_LINES = 40  # the headline figure shows before the reader scrolls far
+IMAGE_MAX_BYTES = 150 * 1024
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a Markdown heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", heading)  # a link keeps its text
+    text = re.sub(r"[^\w\- ]", "", text.lower())
+    return text.replace(" ", "-")
+
+
+def test_readme_is_short_and_shows_its_headline_figure_first():
+    readme = ROOT / "README.md"
+    size = len(readme.read_bytes())
+    assert size <= README_MAX_BYTES, f"README.md is {size:,} bytes; at most {README_MAX_BYTES:,} (move depth to docs/)"
+    head = readme.read_text().splitlines()[:HEADLINE_LINES]
+    images = [m.group(1) for line in head for m in LINK.finditer(line) if m.group(0).startswith("!")]
+    assert images, f"no image link in README.md's first {HEADLINE_LINES} lines"
+    for image in images:
+        path = ROOT / image
+        assert path.is_file(), f"README's image {image} is not committed"
+        assert path.stat().st_size < IMAGE_MAX_BYTES, f"{image}: {path.stat().st_size:,} bytes"
+
+
+@pytest.mark.parametrize("page", ["README.md", *sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("docs/*.md"))])
+def test_every_relative_link_of_the_readme_and_docs_points_at_something_that_exists(page):
+    """What left the README for docs/ stays reachable: every relative link (and its #anchor) resolves."""
+    source = ROOT / page
+    text = re.sub(r"```.*?```", "", source.read_text(), flags=re.S)  # code blocks hold no links
+    broken = []
+    for target in LINK.findall(text):
+        if re.match(r"[a-z]+:", target):  # https:, mailto: ...: sources, not checked offline
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (source.parent / path).resolve() if path else source
+        if not resolved.exists():
+            broken.append(target)
+        elif anchor and resolved.suffix == ".md":
+            headings = re.findall(r"^#+ (.+)$", resolved.read_text(), re.M)
+            if anchor not in {_slug(h) for h in headings}:
+                broken.append(target)
+    assert not broken, f"{page}: broken links {broken}"
+
+
+def test_the_headline_figure_is_drawn_from_committed_data(tmp_path):
+    """scripts/headline_figure.py reads data/cpu and data/design: <= 4.41 at two caches, every later design at one."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("headline_figure", ROOT / "scripts" / "headline_figure.py")
+    figure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(figure)
+    values = {(v["cache"], v["loop"]): v for v in figure.headline_values()}
+    assert values["tuple", "v4.40"]["ratio"] == pytest.approx(2.0, abs=0.01)
+    assert values["tuple", "v4.40"]["h200_ratio"] == pytest.approx(2.0, abs=0.01)
+    for design in [("dynamic", "v4.42"), ("dynamic", "v5"), ("prealloc", "v5")]:
+        assert 1.0 < values[design]["ratio"] < 1.02, design
+    assert values["dynamic", "v5"]["h200_ratio"] == pytest.approx(values["dynamic", "v5"]["ratio"], abs=0.001)
+    pytest.importorskip("matplotlib")
+    drawn = figure.draw(tmp_path / "headline.png")
+    assert 0 < drawn.stat().st_size < IMAGE_MAX_BYTES

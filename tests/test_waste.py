@@ -30,10 +30,10 @@ DECODE_PEAK = {  # the peak at the last decode step, as at the stored 7B greedy 
     "beam3-long": dict(LONG_RUN, generate=dict(num_beams=3), fix=[]),
 }
 # The profiler sees what the live-storage counter sees, and a kernel's own transients besides: the same peak to the
-# byte on every decode measured (README, "The meter"); 1 % leaves room for a transient at the peak, as
+# byte on every decode measured (docs/results.md, "The meter"); 1 % leaves room for a transient at the peak, as
 # tests/test_profiler.py does.
 PROFILER_TOLERANCE = 0.01
-TODAY_TOLERANCE = 0.0012  # the README's precision for the stored runs of generate() (theory against them)
+TODAY_TOLERANCE = 0.0012  # docs/results.md's precision for the stored runs of generate() (theory against them)
 
 
 @cache

@@ -14,5 +14,5 @@
     waste_table kvlab.waste's tables stored in data/today, with their provenance (`python -m kvlab waste`)
 
 Above it: kvlab.compare (the main job) and kvlab.cli (`python -m kvlab ...`). How sweeps run, resume and fail:
-README.md, "Sweeps".
+docs/sweeps.md.
 """

@@ -340,9 +340,10 @@ MODE_STYLES = {
 }
 
 
-def mode_lines(ax, df: pd.DataFrame, x: str, y: str):
+def mode_lines(ax, df: pd.DataFrame, x: str, y: str, legend: bool = True):
     """One line per stream mode of `df` (column `mode`), in MODES' order: its colour, dash and a hollow marker
-    that shrinks from mode to mode, so that modes whose lines coincide all stay visible."""
+    that shrinks from mode to mode, so that modes whose lines coincide all stay visible. `legend=False` leaves
+    the legend to the caller (one for a figure of several panels: `ax.get_legend_handles_labels()`)."""
     present = [mode for mode in MODE_STYLES if mode in set(df["mode"])]
     for i, mode in enumerate(present):
         line = df[df["mode"] == mode].sort_values(x)
@@ -361,93 +362,150 @@ def mode_lines(ax, df: pd.DataFrame, x: str, y: str):
             **style,
         )
     ax.set_xlabel(x)
-    ax.legend(title="mode", loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
+    if legend:
+        ax.legend(title="mode", loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
     return ax
 
 
-def waste_figure(table: pd.DataFrame):
-    """What is alive at the peak of each point of a `kvlab.waste` table, above the weights, in units of the point's
-    final cache (so that points of different sizes compare): the cache's tensors, the storage they do not show,
-    the cache update's op output, one step's activations and the activations above them; a tick at each fix's
-    peak. Ratios from zero; the dashed line is 1 x final cache."""
-    points = list(dict.fromkeys(table["point"]))
-    parts = [
-        ("cache tensors", "0.55"),
-        ("storage the cache's tensors do not show", "tab:orange"),
-        ("the cache update's op output", "tab:blue"),
-        ("one step's activations", "0.8"),
-        ("activations above one step's", "tab:green"),
-    ]
-    fixes = list(dict.fromkeys(table.loc[table["kind"] == "fix", "term"]))
-    fix_colours = dict(zip(fixes, ["black", "tab:purple", "tab:brown", "tab:pink"]))
-    fig, ax = plt.subplots(figsize=(9.5, 1.0 + 0.9 * len(points)))
-    for y, name in enumerate(points):
-        rows = table[table["point"] == name].set_index("term")["bytes"]
-        final = rows["final cache"]
-        sizes = {
-            "cache tensors": final + rows.get("cache tensors beyond the final cache", 0),
-            "storage the cache's tensors do not show": rows.get("storage the cache's tensors do not show", 0),
-            "the cache update's op output": sum(v for k, v in rows.items() if k.startswith("the cache update's")),
-            "one step's activations": rows["one step's activations"],
-            "activations above one step's": rows.get("activations above one step's", 0),
-        }
-        left = 0.0
-        for part, colour in parts:
-            width = sizes[part] / final
-            if width > 0:
-                ax.barh(
-                    y, width, left=left, color=colour, label=None if part in ax.get_legend_handles_labels()[1] else part
-                )
-                left += width
-        weights = rows["weights"]
-        for fix, nbytes in (
-            table[(table["point"] == name) & (table["kind"] == "fix")].set_index("term")["bytes"].items()
-        ):
-            label = f"peak with the fix: {fix}"
-            ax.plot(
-                [(nbytes - weights) / final] * 2,
-                [y - 0.45, y + 0.45],
-                linewidth=2.5,
-                color=fix_colours[fix],
-                label=None if label in ax.get_legend_handles_labels()[1] else label,
+# What a kvlab.waste table's terms are called in a figure's labels (the table's own names are longer).
+WASTE_NAMES = {
+    "the cache update's cat output": "the cat's new layer",
+    "the cache update's index_select output": "the beam reorder's new layer",
+    "activations above one step's": "the prompt's forward",
+    "storage the cache's tensors do not show": "views of longer buffers",
+}
+
+
+def waste_parts(table: pd.DataFrame) -> pd.DataFrame:
+    """Per point of a `kvlab.waste` table, what is alive at the peak above the weights, in bytes, in two
+    non-negative parts: `needed` (the cache's keys and values at that moment, at most the final cache, and one
+    step's activations) and `waste` (every other term: the cache update's op output, storage the cache's tensors
+    do not show, activations above one step's, cache beyond the final one); with `final` (the final cache),
+    `largest` (the largest waste term's name), `chunked` (the peak above the weights with generate()'s
+    `prefill_chunk_size`, where measured) and the point's sizes."""
+    rows = []
+    for name, point in table.groupby("point", sort=False):
+        terms = point[point["kind"].isin(["baseline", "term"])].set_index("term")["bytes"]
+        final, weights = terms["final cache"], terms["weights"]
+        beyond = terms.get("cache tensors beyond the final cache", 0)
+        waste = {k: v for k, v in terms.items() if point.set_index("term").loc[k, "kind"] == "term" and v > 0}
+        fix = point[(point["kind"] == "fix") & (point["term"] == "chunked-prefill")]["bytes"]
+        first = point.iloc[0]
+        rows.append(
+            dict(
+                point=name,
+                needed=final + min(beyond, 0) + terms["one step's activations"],
+                waste=sum(waste.values()),
+                final=final,
+                largest=max(waste, key=waste.get) if waste else "",
+                chunked=fix.item() - weights if len(fix) else None,
+                **{k: first[k] for k in ("preset", "overrides", "generate", "prompt", "new", "dtype", "batch")},
             )
-        ax.text(left, y, f"  {left:.3f}", va="center", fontsize=9)
-    ax.axvline(1, color="black", linestyle="--", linewidth=0.8)
-    ax.set_yticks(range(len(points)), [_point_label(table[table["point"] == p].iloc[0]) for p in points], fontsize=9)
-    ax.invert_yaxis()
-    ax.set_xlim(0, ax.get_xlim()[1] * 1.08)
-    ax.set_xlabel("alive at the peak, above the weights (x the point's final cache)")
-    ax.set_title("What fills the peak of transformers' own generate() (5.24): twins, bf16, CPU, batch 1", fontsize=10)
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1))
+        )
+    return pd.DataFrame(rows).set_index("point")
+
+
+def _waste_label(row) -> str:
+    design = {"": "greedy, DynamicCache", "cache_implementation=static": "greedy, StaticCache"}.get(row["generate"])
+    if design is None:
+        design = f"beam search, {row['generate']}" if "num_beams" in row["generate"] else row["generate"]
+    window = f" ({row['overrides']})" if row["overrides"] else ""
+    return f"{row['preset']}{window}: {design}, prompt {row['prompt']}, {row['new']} new"
+
+
+def waste_figure(table: pd.DataFrame):
+    """One message: at the peak of transformers' own generate(), above the weights, the cache's keys and values
+    (and one step's activations) next to what else is alive, per point of a `kvlab.waste` table, in units of the
+    point's final cache (the dashed line). Two non-negative parts per bar (`waste_parts`), each bar labelled with
+    its total and its largest waste term; a diamond at the peak with generate()'s `prefill_chunk_size`."""
+    parts = waste_parts(table)
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    y = list(range(len(parts)))
+    needed, waste = parts["needed"] / parts["final"], parts["waste"] / parts["final"]
+    ax.barh(y, needed, color="0.65", height=0.45, label="needed: the cache's keys and values + one step's activations")
+    ax.barh(y, waste, left=needed, color="tab:red", height=0.45, label="waste: everything else alive at the peak")
+    chunked = (parts["chunked"] / parts["final"]).dropna()
+    ax.plot(
+        chunked,
+        [list(parts.index).index(p) for p in chunked.index],
+        "D",
+        markersize=9,
+        markerfacecolor="white",
+        markeredgecolor="black",
+        markeredgewidth=1.5,
+        linestyle="none",
+        label="peak with generate(..., prefill_chunk_size=32)",
+    )
+    right = max(max(needed + waste) * 1.05, 3.8)  # room for a short bar's label
+    for i, (name, row) in enumerate(parts.iterrows()):
+        total = needed[name] + waste[name]
+        ax.text(0.02, i - 0.3, _waste_label(row), fontsize=8, va="bottom", bbox=dict(color="white", pad=0.5))
+        what = f"waste {waste[name]:.3f} x: {WASTE_NAMES.get(row['largest'], row['largest'])}" if row["largest"] else ""
+        inside = total > right / 2  # a long bar carries its label inside, in white
+        ax.text(
+            total - 0.05 if inside else total + 0.05,
+            i,
+            f"{total:.2f} x   {what}" if not inside else f"{what}   {total:.2f} x",
+            va="center",
+            ha="right" if inside else "left",
+            color="white" if inside else "black",
+            fontsize=9,
+        )
+    ax.axvline(1, color="black", linestyle="--", linewidth=1)
+    ax.set_yticks(y, list(parts.index))
+    ax.set_ylim(len(parts) - 0.5, -1.5)  # room above the first bar for the legend
+    ax.set_xlim(0, right)
+    ax.set_xlabel("alive at the peak, above the weights (x the point's final KV; dashed: 1 x)")
+    first = parts.iloc[0]
+    ax.set_title(
+        f"What fills the peak of transformers {_version()}'s generate(): twins, {first['dtype']}, "
+        f"batch {first['batch']}, CPU",
+        fontsize=10,
+    )
+    ax.legend(loc="upper right", fontsize=8, framealpha=1)
+    ax.grid(axis="y", visible=False)
     fig.tight_layout()
     return fig
 
 
-def _point_label(row) -> str:
-    options = f", {row['generate']}" if row["generate"] else ""
-    window = f", {row['overrides']}" if row["overrides"] else ""
-    return f"{row['preset']}{window}\nprompt {row['prompt']}, {row['new']} new{options}"
+def _version() -> str:
+    import transformers
+
+    return transformers.__version__
 
 
-def cache_growth_figure(growth: pd.DataFrame):
-    """The storage of transformers' DynamicCache against the tokens seen, one line per model, beside what the
-    same model would hold with every layer full (dotted). MiB from zero."""
-    fig, ax = plt.subplots(figsize=(8.5, 4.5))
+def cache_growth_figure(growth: pd.DataFrame, title: str = ""):
+    """The storage under transformers' DynamicCache against the tokens seen, one solid line per model that has a
+    sliding layer, beside what the same model would hold with every layer full (dotted), and a mark at its last
+    point on the dotted one (its sliding layers' window is reached). A model with no sliding layer (its line would
+    be its own dotted one) is left out. MiB from zero."""
+    fig, ax = plt.subplots(figsize=(9, 4.5))
     names = growth["preset"] + growth["overrides"].fillna("").map(lambda o: f" ({o})" if o else "")
-    colours = dict(zip(dict.fromkeys(names), sns.color_palette("tab10")))
+    sliding = [
+        n
+        for n, rows in growth.groupby(names, sort=False)
+        if (rows["full_cache_bytes"] != rows["cache_storage_bytes"]).any()
+    ]
+    colours = dict(zip(sliding, sns.color_palette("tab10")[1:]))
     for name, rows in growth.groupby(names, sort=False):
-        ax.plot(rows["tokens"], rows["cache_storage_bytes"] / MIB, color=colours[name], label=name)
-        if (rows["full_cache_bytes"] != rows["cache_storage_bytes"]).any():
-            ax.plot(
-                rows["tokens"],
-                rows["full_cache_bytes"] / MIB,
-                ":",
-                color=colours[name],
-                label=f"{name}, every layer full",
-            )
+        if name not in colours:
+            continue
+        colour = colours[name]
+        ax.plot(rows["tokens"], rows["full_cache_bytes"] / MIB, ":", color=colour, label=f"{name}, every layer full")
+        ax.plot(rows["tokens"], rows["cache_storage_bytes"] / MIB, color=colour, linewidth=2, label=name)
+        leaves = rows[rows["cache_storage_bytes"] == rows["full_cache_bytes"]].iloc[-1]  # the last point on it
+        ax.plot(leaves["tokens"], leaves["cache_storage_bytes"] / MIB, "o", color=colour, markersize=7)
+        ax.annotate(
+            f"window reached ({leaves['tokens']} tokens)",
+            (leaves["tokens"], leaves["cache_storage_bytes"] / MIB),
+            xytext=(8, -14),
+            textcoords="offset points",
+            fontsize=9,
+            color=colour,
+        )
     ax.set(xlim=(0, None), ylim=(0, None), xlabel="tokens seen (prompt + generated)", ylabel="cache storage (MiB)")
-    ax.set_title("transformers 5.24's DynamicCache against tokens: twins, bf16, CPU, batch 1", fontsize=10)
-    ax.legend(fontsize=9)
+    ax.set_title(title or f"transformers {_version()}'s DynamicCache against the tokens seen", fontsize=10)
+    ax.legend(fontsize=9, loc="upper left")
     fig.tight_layout()
     return fig
 
