@@ -105,3 +105,95 @@ def two_fixes_terms(config, cache: str, loop: str, batch: int, prompt: int, dtyp
         "step 1: KV (x2 for tuple) + kept logits": (2 if cache == "tuple" else 1) * per_token * (prompt + 1)
         + (fp32_logits if release.keeps_previous_outputs else 0),
     }
+
+
+# Notebook 02's diff of PR #30536: the places of transformers 4.40.1 and 4.42.4 that decide what greedy decoding
+# with a Llama model holds (the copy and the logits are unchanged; the others the PR changed). Each: a title, the
+# file under transformers/, and per release the line after which to look (a def or class), the excerpt's first
+# line and the line that ends it (not included), each as its text begins, indentation aside. 4.40.1's greedy
+# search is `_greedy_search`; 4.42.4 runs it in `_sample`.
+PR_EXCERPTS = [
+    (
+        "DynamicCache.update: the copy",
+        "cache_utils.py",
+        {
+            version: ("class DynamicCache(", "self.key_cache[layer_idx] = torch.cat", "return self.key")
+            for version in ("4.40.1", "4.42.4")
+        },
+    ),
+    (
+        "LlamaModel.forward: the cache it is given",
+        "models/llama/modeling_llama.py",
+        {
+            "4.40.1": ("class LlamaModel(", "past_seen_tokens = 0", "if cache_position is None:"),
+            "4.42.4": ("class LlamaModel(", "return_legacy_cache = False", "if cache_position is None:"),
+        },
+    ),
+    (
+        "LlamaModel.forward: the cache it returns",
+        "models/llama/modeling_llama.py",
+        {
+            "4.40.1": ("class LlamaModel(", "next_cache = None", "if not return_dict:"),
+            "4.42.4": ("class LlamaModel(", "next_cache = next_decoder_cache", "if not return_dict:"),
+        },
+    ),
+    (
+        "generate(): the cache it starts with",
+        "generation/utils.py",
+        {
+            "4.40.1": ("def generate(", "self._validate_generated_length(", "# 7. determine"),
+            "4.42.4": ("def generate(", "# Use DynamicCache() instance by default", "# 7. determine"),
+        },
+    ),
+    (
+        "the greedy loop: the next token's logits",
+        "generation/utils.py",
+        {
+            "4.40.1": ("def _greedy_search(", "if synced_gpus and", "# pre-process"),
+            "4.42.4": ("def _sample(", "if synced_gpus and", "# pre-process"),
+        },
+    ),
+    (
+        "the greedy loop: the end of a step",
+        "generation/utils.py",
+        {
+            "4.40.1": ("def _greedy_search(", "unfinished_sequences = unfinished", "if streamer"),
+            "4.42.4": ("def _sample(", "unfinished_sequences = unfinished", "if streamer"),
+        },
+    ),
+    (
+        "LlamaForCausalLM.forward: the logits",
+        "models/llama/modeling_llama.py",
+        {
+            version: ("class LlamaForCausalLM(", "logits = self.lm_head(", "loss = None")
+            for version in ("4.40.1", "4.42.4")
+        },
+    ),
+]
+PR_EXCERPTS_FILE = "reference/pr30536_excerpts.json"  # under data/: the excerpts where the releases are not installed
+
+
+def release_excerpts(data_dir) -> tuple[dict, str]:
+    """{release: {title: {"path", "line", "lines"}}} for PR_EXCERPTS, cut from the installed 4.40.1 and 4.42.4
+    (kvlab.releases) when both are there (and then the same as the committed copy in `data_dir`/PR_EXCERPTS_FILE),
+    else read from that copy; and which of the two."""
+    import json
+    from pathlib import Path
+
+    from ..releases import RELEASES
+
+    folders = {version: RELEASES[version][0] / "transformers" for version in ("4.40.1", "4.42.4")}
+    if not all(folder.is_dir() for folder in folders.values()):
+        return json.loads((Path(data_dir) / PR_EXCERPTS_FILE).read_text()), "the excerpt committed in data/"
+    excerpts = {version: {} for version in folders}
+    for title, path, anchors in PR_EXCERPTS:
+        for version, (after, start, stop) in anchors.items():
+            lines = (folders[version] / path).read_text().splitlines()
+            first = next(i for i, line in enumerate(lines) if line.lstrip().startswith(after))
+            begin = next(i for i in range(first, len(lines)) if lines[i].lstrip().startswith(start))
+            end = next(i for i in range(begin + 1, len(lines)) if lines[i].lstrip().startswith(stop))
+            excerpts[version][title] = {"path": path, "line": begin + 1, "lines": lines[begin:end]}
+    committed = Path(data_dir) / PR_EXCERPTS_FILE
+    if committed.is_file() and json.loads(committed.read_text()) != excerpts:
+        raise ValueError(f"data/{PR_EXCERPTS_FILE} differs from the installed releases: write it again")
+    return excerpts, "the installed releases"

@@ -83,18 +83,25 @@ def plot_timelines(
     return fig
 
 
-def plot_at_peak(reports: dict, title: str = ""):
-    """Stacked horizontal bars (pandas): what was live at each design's peak besides the weights (MiB)."""
+def plot_at_peak(reports: dict, title: str = "", smallest: float = 0.005):
+    """Stacked horizontal bars (pandas): what was live at each design's peak besides the weights (MiB). A category
+    that is nowhere wider than `smallest` of the widest bar would be an invisible bar with a legend entry: it is
+    left out of the bars and the legend, and its largest value is written in the x label. The legend sits to the
+    right of the bars, over no data."""
     df = pd.DataFrame(
         {name: {c: report.at_peak.get(c, 0) / MIB for c in CATEGORY_COLORS} for name, report in reports.items()}
     ).T
-    ax = df.plot.barh(stacked=True, color=CATEGORY_COLORS, width=0.8, figsize=(8, 0.5 * len(df) + 1.4))
+    visible = [c for c in CATEGORY_COLORS if df[c].max() >= smallest * df.sum(axis=1).max()]
+    fig, ax = plt.subplots(figsize=(9, 0.45 * len(df) + 1.8))
+    df[visible].plot.barh(stacked=True, color=CATEGORY_COLORS, width=0.8, ax=ax)
     ax.invert_yaxis()
-    ax.set(xlabel="bytes live at the peak (MiB), weights excluded", ylabel="cache / loop")
+    small = [f"{c}, at most {df[c].max() * 1024:.0f} KiB" for c in CATEGORY_COLORS if c not in visible]
+    xlabel = "bytes live at the peak (MiB), weights excluded"
+    ax.set(xlabel=xlabel + (f"\n(too small to draw: {'; '.join(small)})" if small else ""), ylabel="cache/loop")
     ax.set_title(title, fontsize=10)
-    ax.legend(loc="lower right", fontsize=9)
-    ax.figure.tight_layout()
-    return ax.figure, df.round(3)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9, frameon=False)
+    fig.tight_layout()
+    return fig, df.round(3)
 
 
 def measured(df: pd.DataFrame) -> pd.DataFrame:
