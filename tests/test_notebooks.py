@@ -41,7 +41,11 @@ def tiny_parameters(path: Path, tmp_path: Path) -> dict:
     return parameters
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+# The lessons run in `make test`; the appendices (A1, A2, ...), depth beyond the lessons, in `make test-all`.
+EXECUTED = [path if is_lesson(path.name) else pytest.param(path, marks=pytest.mark.slow) for path in NOTEBOOKS]
+
+
+@pytest.mark.parametrize("path", EXECUTED, ids=_ids(NOTEBOOKS))
 def test_notebook_executes_with_tiny_parameters(path, tmp_path, monkeypatch):
     papermill = pytest.importorskip("papermill")
     # The tiny models gain nothing from threads, and on a shared 2-core machine OpenMP threads
