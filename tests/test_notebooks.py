@@ -272,3 +272,43 @@ def test_timeline_panels_share_a_y_axis_that_fits_the_highest_design():
 
     fig = plot_timelines({"low": report(1), "high": report(10)})
     assert all(ax.get_ylim()[0] == 0 and ax.get_ylim()[1] >= 50 for ax in fig.axes[:2])
+
+
+def test_a_timeline_panel_whose_peak_is_its_live_line_says_so():
+    """Where the peak equals the live line at every step (within 0.5 %), the panel writes so and draws the peak
+    above the references; a panel with a transient keeps the thin dashes under them."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvlab.meter import MemoryReport, StepMemory
+    from kvlab.notebook.plots import plot_timelines
+
+    def report(extra):
+        steps = [StepMemory(i, (i + 1) * 2**20, (i + 1 + extra) * 2**20) for i in range(5)]
+        return MemoryReport("cpu", "live-storages", 0, 0, None, steps)
+
+    fig = plot_timelines({"same": report(0), "transient": report(1)}, kv_bytes=5 * 2**20)
+    same, transient = fig.axes[:2]
+    assert [t.get_text() for t in same.texts] == ["peak = live at every step"] and not transient.texts
+    peak = {ax: next(line for line in ax.lines if line.get_label() == "peak inside the step") for ax in fig.axes[:2]}
+    assert peak[same].get_zorder() > 4 > peak[transient].get_zorder()  # the references are drawn at 4
+    labels = fig.legends[0].get_texts()
+    assert [t.get_text() for t in labels][-2:] == ["1× final KV", "2× final KV"]
+
+
+def test_stream_modes_with_identical_lines_are_drawn_once_when_asked():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import pandas as pd
+
+    from kvlab.notebook.plots import mode_lines
+
+    values = {"hf-static": [1, 2], "reused": [5, 5], "reused-max": [5, 6], "dynamic": [1, 2]}
+    df = pd.DataFrame([dict(mode=m, request=i, mib=v) for m, vs in values.items() for i, v in enumerate(vs)])
+    _, (every, merged) = plt.subplots(1, 2)
+    mode_lines(every, df, x="request", y="mib", legend=False)
+    mode_lines(merged, df, x="request", y="mib", legend=False, merge_identical=True)
+    assert every.get_legend_handles_labels()[1] == ["hf-static", "reused", "reused-max", "dynamic"]
+    assert merged.get_legend_handles_labels()[1] == ["hf-static = dynamic", "reused", "reused-max"]

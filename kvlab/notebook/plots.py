@@ -22,6 +22,7 @@ BASELINE, FIXED = ("tuple", "v4.40"), ("dynamic", "v4.42")
 WIDTH = 10  # inches: ≈ 1000 px at the notebooks' 100 dpi, the most a notebook shows without shrinking labels
 CATEGORY_COLORS = {"kv": "tab:blue", "logits": "tab:orange", "other": "tab:green"}  # at the peak, weights aside
 KV_LINE_STYLES = {1: ":", 2: "--", 3: "-."}
+EQUAL_PEAK = 0.005  # a timeline panel's peak within 0.5 % of its live line at every step: "peak = live"
 
 
 def plot_timelines(
@@ -35,8 +36,10 @@ def plot_timelines(
 ):
     """One panel per design: live bytes at each step's end and the peak inside the step (MiB), y from zero;
     `kv_bytes`: black lines at `multiples` of it, over the data, so a line on a reference is seen to be.
-    At most 3 panels a row (2 for 4 designs). matplotlib, not seaborn's relplot: the series differ in marker
-    and width; one legend holds the references."""
+    A panel whose peak equals its live line at every step (within EQUAL_PEAK) says so in its top left and draws
+    the peak thicker, above the references, its dashes offset from the others'. At most 3 panels a row (2 for 4
+    designs). matplotlib, not seaborn's relplot: the series differ in marker and width; one legend holds the
+    references."""
     ncols = 2 if len(reports) == 4 else min(len(reports), 3)
     nrows = -(-len(reports) // ncols)
     height = 2.7 * nrows + 0.9
@@ -44,6 +47,7 @@ def plot_timelines(
     for ax, (name, report) in zip(axes.flat, reports.items()):
         steps = pd.DataFrame(report.timeline)
         live, peak = steps["live_bytes"] / MIB, steps["peak_bytes"] / MIB
+        equal = bool(((peak - live).abs() <= EQUAL_PEAK * live.abs()).all())
         # Live underneath and thick, the peak dashed on top, the gap shaded: where a design's peak equals what
         # stays live (one cache object), both lines still show.
         ax.plot(steps["step"], live, color="tab:blue", linewidth=2.6, zorder=2, label="live at the step's end")
@@ -52,11 +56,13 @@ def plot_timelines(
             steps["step"],
             peak,
             color="tab:red",
-            linestyle=(0, (3, 2)),
-            linewidth=1.4,
-            zorder=3,
+            linestyle=(3, (4, 3)) if equal else (0, (3, 2)),
+            linewidth=2.2 if equal else 1.4,
+            zorder=5 if equal else 3,
             label="peak inside the step",
         )
+        if equal:
+            ax.text(0.03, 0.95, "peak = live at every step", transform=ax.transAxes, va="top", fontsize=9)
         for multiple in multiples if kv_bytes else ():
             ax.axhline(
                 multiple * kv_bytes / MIB,
@@ -64,7 +70,7 @@ def plot_timelines(
                 linestyle=KV_LINE_STYLES.get(multiple, ":"),
                 linewidth=1,
                 zorder=4,
-                label=f"{multiple}x {kv_label}",
+                label=f"{multiple}× {kv_label}",
             )
         ax.set_title(name, fontsize=10)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
@@ -417,13 +423,26 @@ MODE_STYLES = {
 }
 
 
-def mode_lines(ax, df: pd.DataFrame, x: str, y: str, legend: bool = True):
+def mode_lines(ax, df: pd.DataFrame, x: str, y: str, legend: bool = True, merge_identical: bool = False):
     """One line per stream mode of `df` (column `mode`), in MODES' order: its colour, dash and a hollow marker
-    that shrinks from mode to mode, so that modes whose lines coincide all stay visible. `legend=False` leaves
-    the legend to the caller (one for a figure of several panels: `ax.get_legend_handles_labels()`)."""
+    that shrinks from mode to mode, so that modes whose lines coincide all stay visible. `merge_identical`: modes
+    whose `y` equals an earlier mode's at every `x` are drawn once, in the earlier mode's style, labelled
+    "earlier = later". `legend=False` leaves the legend to the caller (one for a figure of several panels:
+    `ax.get_legend_handles_labels()`)."""
     present = [mode for mode in MODE_STYLES if mode in set(df["mode"])]
-    for i, mode in enumerate(present):
-        line = df[df["mode"] == mode].sort_values(x)
+    lines = {mode: df[df["mode"] == mode].sort_values(x) for mode in present}
+    groups = {}  # first mode -> the modes drawn as its line
+    for mode in present:
+        same = (
+            first
+            for first in groups
+            if merge_identical
+            and lines[first][x].tolist() == lines[mode][x].tolist()
+            and lines[first][y].tolist() == lines[mode][y].tolist()
+        )
+        groups.setdefault(next(same, mode), []).append(mode)
+    for mode, group in groups.items():
+        line = lines[mode]
         color, marker, dashes = MODE_STYLES[mode]
         style = {"dashes": dashes} if dashes else {"linestyle": "-"}
         ax.plot(
@@ -431,11 +450,11 @@ def mode_lines(ax, df: pd.DataFrame, x: str, y: str, legend: bool = True):
             line[y],
             color=color,
             marker=marker,
-            markersize=11 - 2 * i,
+            markersize=11 - 2 * present.index(mode),
             fillstyle="none",
             markeredgewidth=1.5,
             linewidth=1.5,
-            label=mode,
+            label=" = ".join(group),
             **style,
         )
     ax.set_xlabel(x)
