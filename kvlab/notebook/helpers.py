@@ -109,9 +109,10 @@ def two_fixes_terms(config, cache: str, loop: str, batch: int, prompt: int, dtyp
 
 # Notebook 02's diff of PR #30536: the places of transformers 4.40.1 and 4.42.4 that decide what greedy decoding
 # with a Llama model holds (the copy and the logits are unchanged; the others the PR changed). Each: a title, the
-# file under transformers/, and per release the line after which to look (a def or class), the excerpt's first
-# line and the line that ends it (not included), each as its text begins, indentation aside. 4.40.1's greedy
-# search is `_greedy_search`; 4.42.4 runs it in `_sample`.
+# file under transformers/, and per release the line after which to look (a def, a class or a unique line), the
+# excerpt's first line and the line that ends it (not included), each as its text begins, indentation aside.
+# 4.40.1's greedy search is `_greedy_search`; 4.42.4's generate() sends it to `_sample` (its `_greedy_search` is a
+# deprecated wrapper). 4.42.4's excerpt of the cache it is given stops before the deprecation warning it logs.
 PR_EXCERPTS = [
     (
         "DynamicCache.update: the copy",
@@ -126,7 +127,7 @@ PR_EXCERPTS = [
         "models/llama/modeling_llama.py",
         {
             "4.40.1": ("class LlamaModel(", "past_seen_tokens = 0", "if cache_position is None:"),
-            "4.42.4": ("class LlamaModel(", "return_legacy_cache = False", "if cache_position is None:"),
+            "4.42.4": ("class LlamaModel(", "return_legacy_cache = False", "logger.warning_once("),
         },
     ),
     (
@@ -138,7 +139,7 @@ PR_EXCERPTS = [
         },
     ),
     (
-        "generate(): the cache it starts with",
+        "generate(): the cache it starts with (4.42.4: the branch for no `cache_implementation`)",
         "generation/utils.py",
         {
             "4.40.1": ("def generate(", "self._validate_generated_length(", "# 7. determine"),
@@ -146,7 +147,7 @@ PR_EXCERPTS = [
         },
     ),
     (
-        "the greedy loop: the next token's logits",
+        "the greedy loop (4.42.4: `_sample`, where generate() sends greedy search): the next token's logits",
         "generation/utils.py",
         {
             "4.40.1": ("def _greedy_search(", "if synced_gpus and", "# pre-process"),
@@ -154,7 +155,7 @@ PR_EXCERPTS = [
         },
     ),
     (
-        "the greedy loop: the end of a step",
+        "the greedy loop (4.42.4: `_sample`): the end of a step",
         "generation/utils.py",
         {
             "4.40.1": ("def _greedy_search(", "unfinished_sequences = unfinished", "if streamer"),
@@ -164,10 +165,7 @@ PR_EXCERPTS = [
     (
         "LlamaForCausalLM.forward: the logits",
         "models/llama/modeling_llama.py",
-        {
-            version: ("class LlamaForCausalLM(", "logits = self.lm_head(", "loss = None")
-            for version in ("4.40.1", "4.42.4")
-        },
+        {version: ("logits = torch.cat(logits, dim=-1)", "else:", "loss = None") for version in ("4.40.1", "4.42.4")},
     ),
 ]
 PR_EXCERPTS_FILE = "reference/pr30536_excerpts.json"  # under data/: the excerpts where the releases are not installed
