@@ -386,8 +386,8 @@ def waste_parts(table: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for name, point in table.groupby("point", sort=False):
         terms = point[point["kind"].isin(["baseline", "term"])].set_index("term")["bytes"]
-        final, weights = terms["final cache"], terms["weights"]
-        beyond = terms.get("cache tensors beyond the final cache", 0)
+        final, weights = terms["final KV"], terms["weights"]
+        beyond = terms.get("cache tensors beyond the final KV", 0)
         waste = {k: v for k, v in terms.items() if point.set_index("term").loc[k, "kind"] == "term" and v > 0}
         fix = point[(point["kind"] == "fix") & (point["term"] == "chunked-prefill")]["bytes"]
         first = point.iloc[0]
