@@ -237,7 +237,7 @@ def _fix_rows(model, ids, point: dict, weights: int, forwards: list) -> list[tup
     for fix in point["fix"]:
         fix_peak = FIXES[fix](model, ids, point)
         if fix == "beam-prefill-once":  # it changes the prompt's forward only: the later forwards stay
-            what = FIXES[fix].__doc__.split(",")[0].strip()
+            what = "beam-prefill-once: the prompt's forward at the batch, not at batch x beams"
             rows.append(("note", "peak of the prompt's forward, with the fix", weights + fix_peak, what,
                          UPSTREAM["activations"]))  # fmt: skip
             fix_peak = max([fix_peak] + [forward_peak for _, forward_peak in forwards[1:]])
