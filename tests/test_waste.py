@@ -126,6 +126,18 @@ def test_stored_final_caches_and_cache_updates_are_the_shapes():
         assert (updates["bytes"] == final // (2 * config.num_hidden_layers)).all(), name
 
 
+def test_stored_mask_term_is_three_prompt_by_prompt_bools_past_a_window():
+    """The attention mask term of data/today/waste.csv: at long-greedy's peak (the prompt's forward, past the window)
+    and_masks holds three batch x prompt x prompt bools (lesson 07); the full-attention points skip the mask."""
+    for name, rows in stored().groupby("point"):
+        first = rows.iloc[0]
+        config = build_config(first["preset"], first["overrides"].split())
+        window = getattr(config, "sliding_window", None)
+        past_window = window is not None and first["prompt"] > window
+        expected = 3 * first["batch"] * first["prompt"] ** 2 if past_window else 0
+        assert rows.set_index("term").loc["the attention mask being built", "bytes"] == expected, name
+
+
 @pytest.mark.slow  # 20 s of a 7B twin's decode: make test-all
 def test_stored_peak_is_measured_again():
     # The cheapest stored point, under the meter again, today's transformers: the peak the table splits.
