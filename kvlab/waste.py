@@ -1,4 +1,4 @@
-"""The waste that remains in transformers' own generate(): at the peak, every byte above "weights + final cache +
+"""The waste that remains in transformers' own generate(): at the peak, every byte above "weights + final KV +
 one step's activations", by what holds it (kvlab.explain), and what a fix measures. This module measures; the
 command line stores (kvlab.lab.waste_table):
 
@@ -7,11 +7,11 @@ command line stores (kvlab.lab.waste_table):
     python -m kvlab waste growth           # the cache against generated tokens: data/today/cache_growth.csv
 
 Each point runs generate() under the meter (its peak, each forward's peak), under `explain` (the storages at the
-peak and their holders), and each fix under the meter. Rows: `baseline` (weights; the final cache from the
-shapes; one step's activations), `term` (the cache update's op output, storage the cache's tensors do not show,
-the cache against the final one, activations above one step's), `check` (the meter's peak: baseline and terms
-add up to it), `note` (not added up: the prompt's forward, the view kept after it, a static cache's unwritten
-capacity) and `fix` (each fix's peak and what it saves).
+peak and their holders), and each fix under the meter. Rows: `baseline` (weights; the final KV from the shapes;
+one step's activations), `term` (the cache update's op output, storage the cache's tensors do not show, the cache
+against the final one, the attention mask being built, activations above one step's), `check` (the meter's peak:
+baseline and terms add up to it), `note` (not added up: the prompt's forward, the view kept after it, a static
+cache's unwritten capacity) and `fix` (each fix's peak and what it saves).
 """
 
 from __future__ import annotations
@@ -33,10 +33,9 @@ if TYPE_CHECKING:  # pandas is the lab extra's: cache_growth imports it where it
 
 COMMON = dict(batch=1, dtype="bfloat16", seed=0)
 # The 7B shape: the Llama-2-7B twin, prompt 300, 200 new tokens. The long context: Mistral-7B-v0.1 as released
-# (every layer slides, window 4096; the twin divides the widths by 32, not the window; the same config as the
-# mistral-7b-v0.1-twin preset), a prompt past its window.
+# (every layer slides, window 4096; the twin divides the widths by 32, not the window), a prompt past its window.
 SEVEN_B = dict(preset="llama2-7b-twin", overrides={}, prompt=300, new=200)
-LONG = dict(preset="mistral-7b-twin", overrides={"sliding_window": 4096}, prompt=4608, new=32)
+LONG = dict(preset="mistral-7b-v0.1-twin", overrides={}, prompt=4608, new=32)
 POINTS = {
     "7b-greedy": dict(SEVEN_B, generate={}, fix=["prealloc"]),
     "7b-static": dict(SEVEN_B, generate=dict(cache_implementation="static"), fix=["chunked-prefill"]),
@@ -53,8 +52,11 @@ UPSTREAM = {
     "unless generation_config.prefill_chunk_size)",
     "activations": "src/transformers/generation/utils.py: GenerationMixin.generate (_expand_inputs_for_generation "
     "before the prompt's forward, _prefill)",
+    "mask": "src/transformers/masking_utils.py: and_masks (result = result & mask(...): each & a new bool tensor "
+    "while the last is alive)",
 }
 CACHE_TENSOR = re.compile(r"\.layers\[(\d+)\]\.(keys|values)$")
+MASK_TENSOR = re.compile(r"^bool\[\d+, \d+, \d+, \d+\]$")  # an attention mask: (batch, heads or 1, queries, keys)
 COLUMNS = [
     "point",
     "preset",
@@ -77,8 +79,9 @@ COLUMNS = [
 
 def held_cache_bytes(config, batch: int, prompt: int, new: int, dtype: str) -> int:
     """The cache generate() holds when it returns, from the shapes: prompt + new - 1 tokens per full layer (the last
-    token is never fed back), at most window - 1 per sliding layer (what a later query can see). Not the final KV
-    of kvlab.models.final_kv_bytes, which every overhead / KV divides by: all prompt + new tokens in every layer."""
+    token is never fed back), at most window - 1 per sliding layer (what a later query can see): the rows' "final
+    KV". The sweeps' kvlab.models.final_kv_bytes, which their overhead / KV divides by, counts all prompt + new
+    tokens in every layer instead."""
     tokens = prompt + new - 1
     per_layer = kv_bytes_per_token(config, batch, dtype) // config.num_hidden_layers
     windows = sliding_windows(config)
@@ -111,21 +114,31 @@ def _record_cache(model, sizes: list):
 
 def split_peak(explanation) -> dict:
     """The storages at the peak as the rows' terms: cache tensors, storage they do not show, the op's output where
-    the op updates the cache, and the rest (activations), with the rest's three largest holders."""
-    parts = dict.fromkeys(("cache_shown", "cache_hidden", "op_out", "rest"), 0)
-    others = Counter()  # holder name (indices as [i]) -> bytes
+    the op updates the cache, the attention masks being built (4-D bool tensors), and the rest (activations), with
+    the masks' holders and the rest's three largest holders."""
+    parts = dict.fromkeys(("cache_shown", "cache_hidden", "op_out", "mask", "rest"), 0)
+    others, masks = Counter(), Counter()  # holder name (indices as [i]) -> bytes
     cache_op = "cache_utils.py" in explanation.where
     for item in explanation.held:
+        holder = re.sub(r"\[\d+\]", "[i]", item.holders[0])
         if any(CACHE_TENSOR.search(name) for name in item.holders):
             parts["cache_shown"] += item.tensor_bytes
             parts["cache_hidden"] += item.nbytes - item.tensor_bytes
         elif cache_op and item.holders[0] == f"{explanation.op}: out":
             parts["op_out"] += item.nbytes
+        elif MASK_TENSOR.match(item.tensor):
+            parts["mask"] += item.nbytes
+            masks[f"{holder} {item.tensor}"] += item.nbytes
         else:
             parts["rest"] += item.nbytes
-            others[re.sub(r"\[\d+\]", "[i]", item.holders[0])] += item.nbytes
-    largest = "; ".join(f"{name} {nbytes / 2**20:.2f} MiB" for name, nbytes in others.most_common(3))
-    return dict(parts, largest=largest)
+            others[holder] += item.nbytes
+    largest = "; ".join(f"{name} {_size(nbytes)}" for name, nbytes in others.most_common(3))
+    mask_holders = "; ".join(f"{name} {_size(nbytes)}" for name, nbytes in masks.most_common())
+    return dict(parts, largest=largest, masks=mask_holders)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 2**20:.2f} MiB" if nbytes >= 0.01 * 2**20 else f"{nbytes / 2**10:.2f} KiB"
 
 
 def terms(name: str, point: dict | None = None) -> list[dict]:
@@ -148,7 +161,7 @@ def terms(name: str, point: dict | None = None) -> list[dict]:
     retained = sizes[0][0] - sizes[0][1]
     rows = [
         ("baseline", "weights", weights, "the model's parameters and buffers", ""),
-        ("baseline", "final cache", final, "from the shapes: what generate() ends with", ""),
+        ("baseline", "final KV", final, "from the shapes: what generate() ends with", ""),
         (
             "baseline",
             "one step's activations",
@@ -168,7 +181,7 @@ def terms(name: str, point: dict | None = None) -> list[dict]:
         ),
         *_fix_rows(model, ids, point, weights, forwards),
     ]
-    if point["generate"].get("cache_implementation") == "static":  # inside the final cache, not added up
+    if point["generate"].get("cache_implementation") == "static":  # inside the final KV, not added up
         written = point["prompt"] + explanation.forward  # tokens in the cache once the peak's forward has run
         unwritten = final - held_cache_bytes(model.config, COMMON["batch"] * beams, written, 1, COMMON["dtype"])
         after = f"after forward {explanation.forward}: {written} of {point['prompt'] + point['new'] - 1} tokens"
@@ -177,7 +190,7 @@ def terms(name: str, point: dict | None = None) -> list[dict]:
 
 
 def _peak_terms(name: str, explanation, parts: dict, final: int, step_activations: int, beams: int) -> list[tuple]:
-    """The terms above weights + final cache + one step's activations at the peak, each with its holder."""
+    """The terms above weights + final KV + one step's activations at the peak, each with its holder."""
     op = explanation.op.removeprefix("aten.").split(".")[0]
     at = explanation.where.split(" (")[0]
     update = [("term", f"the cache update's {op} output", parts["op_out"], f"{explanation.op}: out, in {at}",
@@ -196,10 +209,17 @@ def _peak_terms(name: str, explanation, parts: dict, final: int, step_activation
         ),
         (
             "term",
-            "cache tensors beyond the final cache",
+            "cache tensors beyond the final KV",
             parts["cache_shown"] - final,
             "cache .layers[i].keys/values (negative: not yet grown)",
             UPSTREAM["capacity"] if "static" in name else "",
+        ),
+        (
+            "term",
+            "the attention mask being built",
+            parts["mask"],
+            parts["masks"] or "4-D bool tensors: none at the peak",
+            UPSTREAM["mask"] if parts["mask"] else "",
         ),
         (
             "term",
@@ -217,7 +237,7 @@ def _fix_rows(model, ids, point: dict, weights: int, forwards: list) -> list[tup
     for fix in point["fix"]:
         fix_peak = FIXES[fix](model, ids, point)
         if fix == "beam-prefill-once":  # it changes the prompt's forward only: the later forwards stay
-            what = FIXES[fix].__doc__.split(",")[0].strip()
+            what = "beam-prefill-once: the prompt's forward at the batch, not at batch x beams"
             rows.append(("note", "peak of the prompt's forward, with the fix", weights + fix_peak, what,
                          UPSTREAM["activations"]))  # fmt: skip
             fix_peak = max([fix_peak] + [forward_peak for _, forward_peak in forwards[1:]])

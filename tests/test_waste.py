@@ -78,7 +78,7 @@ def test_the_cache_update_at_the_peak_holds_one_layers_keys(name):
     terms = {term: nbytes for (kind, term), nbytes in rows_of(name).items() if kind == "term"}
     expected = one_layer_tensor(config, beams, point["prompt"] + point["new"] - 1)
     assert terms["the cache update's cat output"] == expected
-    assert rows_of(name)["baseline", "final cache"] == 2 * config.num_hidden_layers * expected
+    assert rows_of(name)["baseline", "final KV"] == 2 * config.num_hidden_layers * expected
 
 
 @pytest.mark.parametrize("name", ["greedy", "beam3", "sliding"])
@@ -121,9 +121,21 @@ def test_stored_final_caches_and_cache_updates_are_the_shapes():
         kept = min(tokens, (getattr(config, "sliding_window", None) or tokens + 1) - 1)
         final = 2 * config.num_hidden_layers * one_layer_tensor(config, first["batch"] * beams, kept)
         term = rows.set_index("term")["bytes"]
-        assert term["final cache"] == final, name
+        assert term["final KV"] == final, name
         updates = rows[rows["term"].str.startswith("the cache update's")]
         assert (updates["bytes"] == final // (2 * config.num_hidden_layers)).all(), name
+
+
+def test_stored_mask_term_is_three_prompt_by_prompt_bools_past_a_window():
+    """The attention mask term of data/today/waste.csv: at long-greedy's peak (the prompt's forward, past the window)
+    and_masks holds three batch x prompt x prompt bools (lesson 07); the full-attention points skip the mask."""
+    for name, rows in stored().groupby("point"):
+        first = rows.iloc[0]
+        config = build_config(first["preset"], first["overrides"].split())
+        window = getattr(config, "sliding_window", None)
+        past_window = window is not None and first["prompt"] > window
+        expected = 3 * first["batch"] * first["prompt"] ** 2 if past_window else 0
+        assert rows.set_index("term").loc["the attention mask being built", "bytes"] == expected, name
 
 
 @pytest.mark.slow  # 20 s of a 7B twin's decode: make test-all

@@ -465,35 +465,38 @@ def mode_lines(ax, df: pd.DataFrame, x: str, y: str, legend: bool = True, merge_
 
 # What a kvlab.waste table's terms are called in a figure's labels (the table's own names are longer).
 WASTE_NAMES = {
-    "the cache update's cat output": "the cat's new layer",
-    "the cache update's index_select output": "the beam reorder's new layer",
+    "the cache update's cat output": "the cat: one layer held twice",
+    "the cache update's index_select output": "the beam reorder: one layer held twice",
     "activations above one step's": "the prompt's forward",
     "storage the cache's tensors do not show": "views of longer buffers",
 }
+MASK_TERM = "the attention mask being built"
 
 
 def waste_parts(table: pd.DataFrame) -> pd.DataFrame:
     """Per point of a `kvlab.waste` table, what is alive at the peak above the weights, in bytes, in two
-    non-negative parts: `needed` (the cache's keys and values at that moment, at most the final cache, and one
+    non-negative parts: `needed` (the cache's keys and values at that moment, at most the final KV, and one
     step's activations) and `waste` (every other term: the cache update's op output, storage the cache's tensors
-    do not show, activations above one step's, cache beyond the final one); with `final` (the final cache),
-    `largest` (the largest waste term's name), `chunked` (the peak above the weights with generate()'s
-    `prefill_chunk_size`, where measured) and the point's sizes."""
+    do not show, the attention mask, activations above one step's, cache beyond the final one); with `final` (the
+    final KV), `largest` (the largest waste term's name), `largest_bytes`, `chunked` (the peak above the weights
+    with generate()'s `prefill_chunk_size`, where measured) and the point's sizes."""
     rows = []
     for name, point in table.groupby("point", sort=False):
         terms = point[point["kind"].isin(["baseline", "term"])].set_index("term")["bytes"]
-        final, weights = terms["final cache"], terms["weights"]
-        beyond = terms.get("cache tensors beyond the final cache", 0)
+        final, weights = terms["final KV"], terms["weights"]
+        beyond = terms.get("cache tensors beyond the final KV", 0)
         waste = {k: v for k, v in terms.items() if point.set_index("term").loc[k, "kind"] == "term" and v > 0}
         fix = point[(point["kind"] == "fix") & (point["term"] == "chunked-prefill")]["bytes"]
         first = point.iloc[0]
+        largest = max(waste, key=waste.get) if waste else ""
         rows.append(
             dict(
                 point=name,
                 needed=final + min(beyond, 0) + terms["one step's activations"],
                 waste=sum(waste.values()),
                 final=final,
-                largest=max(waste, key=waste.get) if waste else "",
+                largest=largest,
+                largest_bytes=waste.get(largest, 0),
                 chunked=fix.item() - weights if len(fix) else None,
                 **{k: first[k] for k in ("preset", "overrides", "generate", "prompt", "new", "dtype", "batch")},
             )
@@ -509,16 +512,35 @@ def _waste_label(row) -> str:
     return f"{row['preset']}{window}: {design}, prompt {row['prompt']}, {row['new']} new"
 
 
+def _largest_name(row) -> str:
+    """The largest waste term as a figure says it: the mask by its size (copies × batch × prompt² bools)."""
+    if row["largest"] != MASK_TERM:
+        return WASTE_NAMES.get(row["largest"], row["largest"])
+    from ..caches import sliding_windows
+
+    config = build_config(row["preset"], row["overrides"].split())
+    kind = "sliding-window mask" if any(sliding_windows(config)) else "attention mask"
+    copies = row["largest_bytes"] / (row["batch"] * row["prompt"] ** 2)
+    batch = f"{row['batch']} × " if row["batch"] > 1 else ""
+    return f"the {kind}, {copies:g} × {batch}{row['prompt']}² bools"
+
+
+def _times(ratio: float) -> str:
+    """A share of the final KV: two decimals, or a percentage under 0.1 ×."""
+    return f"{100 * ratio:.1f} % of final KV" if ratio < 0.1 else f"{ratio:.2f} ×"
+
+
 def waste_figure(table: pd.DataFrame):
     """One message: at the peak of transformers' own generate(), above the weights, the cache's keys and values
-    (and one step's activations) next to what else is alive, per point of a `kvlab.waste` table, in units of the
-    point's final cache (the dashed line). Two non-negative parts per bar (`waste_parts`), each bar labelled with
-    its total and its largest waste term; a diamond at the peak with generate()'s `prefill_chunk_size`."""
+    written by then (and one step's activations) next to what else is alive, per point of a `kvlab.waste` table,
+    in units of the point's final KV (the dashed line). Two non-negative parts per bar (`waste_parts`), each bar
+    labelled with its total and its largest waste term; a bar whose cache is not yet written at the peak says so;
+    a diamond at the peak with generate()'s `prefill_chunk_size`."""
     parts = waste_parts(table)
     fig, ax = plt.subplots(figsize=(9, 4.5))
     y = list(range(len(parts)))
     needed, waste = parts["needed"] / parts["final"], parts["waste"] / parts["final"]
-    ax.barh(y, needed, color="0.65", height=0.45, label="needed: the cache's keys and values + one step's activations")
+    ax.barh(y, needed, color="0.65", height=0.45, label="the cache written by the peak + one step's activations")
     ax.barh(y, waste, left=needed, color="tab:red", height=0.45, label="waste: everything else alive at the peak")
     chunked = (parts["chunked"] / parts["final"]).dropna()
     ax.plot(
@@ -536,22 +558,35 @@ def waste_figure(table: pd.DataFrame):
     for i, (name, row) in enumerate(parts.iterrows()):
         total = needed[name] + waste[name]
         ax.text(0.02, i - 0.3, _waste_label(row), fontsize=8, va="bottom", bbox=dict(color="white", pad=0.5))
-        what = f"waste {waste[name]:.3f} x: {WASTE_NAMES.get(row['largest'], row['largest'])}" if row["largest"] else ""
+        what = f"waste {_times(waste[name])}: {_largest_name(row)}" if row["largest"] else ""
         inside = total > right / 2  # a long bar carries its label inside, in white
         ax.text(
             total - 0.05 if inside else total + 0.05,
             i,
-            f"{total:.2f} x   {what}" if not inside else f"{what}   {total:.2f} x",
+            f"{total:.2f} ×   {what}" if not inside else f"{what}   {total:.2f} ×",
             va="center",
             ha="right" if inside else "left",
             color="white" if inside else "black",
             fontsize=9,
         )
+        if needed[name] < 0.5:  # the peak comes before the cache is written: the prompt's forward
+            ax.annotate(
+                f"grey, {needed[name]:.2f} ×: no cache yet, the peak is the prompt's forward",
+                (needed[name] / 2, i + 0.225),
+                xytext=(12, -12),
+                textcoords="offset points",
+                va="top",
+                fontsize=8,
+                bbox=dict(color="white", pad=1),
+                arrowprops=dict(arrowstyle="-|>", color="0.2", shrinkA=0, shrinkB=0),
+                zorder=5,
+            )
     ax.axvline(1, color="black", linestyle="--", linewidth=1)
     ax.set_yticks(y, list(parts.index))
-    ax.set_ylim(len(parts) - 0.5, -1.5)  # room above the first bar for the legend
+    low = len(parts) - 0.5 + 0.45 * (needed < 0.5).iloc[-1]  # room under the last bar for its note
+    ax.set_ylim(low, -1.5)  # room above the first bar for the legend
     ax.set_xlim(0, right)
-    ax.set_xlabel("alive at the peak, above the weights (x the point's final KV; dashed: 1 x)")
+    ax.set_xlabel("overhead / final KV (× KV): alive at the peak above the weights and the inputs; dashed: 1 ×")
     first = parts.iloc[0]
     ax.set_title(
         f"What fills the peak of transformers {_version()}'s generate(): twins, {first['dtype']}, "
@@ -572,9 +607,10 @@ def _version() -> str:
 
 def cache_growth_figure(growth: pd.DataFrame, title: str = ""):
     """The storage under transformers' DynamicCache against the tokens seen, one solid line per model that has a
-    sliding layer, beside what the same model would hold with every layer full (dotted), and a mark at its last
-    point on the dotted one (its sliding layers' window is reached). A model with no sliding layer (its line would
-    be its own dotted one) is left out. MiB from zero."""
+    sliding layer, and what the same model would hold with every layer full (dotted), drawn from where its sliding
+    layers' window is reached (marked): before it the two are one line. A model with no sliding layer (its line
+    would be its own dotted one) is left out. MiB from zero; the legend names the models once, and the dotted
+    style once."""
     fig, ax = plt.subplots(figsize=(9, 4.5))
     names = growth["preset"] + growth["overrides"].fillna("").map(lambda o: f" ({o})" if o else "")
     sliding = [
@@ -587,9 +623,10 @@ def cache_growth_figure(growth: pd.DataFrame, title: str = ""):
         if name not in colours:
             continue
         colour = colours[name]
-        ax.plot(rows["tokens"], rows["full_cache_bytes"] / MIB, ":", color=colour, label=f"{name}, every layer full")
-        ax.plot(rows["tokens"], rows["cache_storage_bytes"] / MIB, color=colour, linewidth=2, label=name)
         leaves = rows[rows["cache_storage_bytes"] == rows["full_cache_bytes"]].iloc[-1]  # the last point on it
+        after = rows[rows["tokens"] >= leaves["tokens"]]
+        ax.plot(after["tokens"], after["full_cache_bytes"] / MIB, ":", color=colour, linewidth=1.5)
+        ax.plot(rows["tokens"], rows["cache_storage_bytes"] / MIB, color=colour, linewidth=2, label=name)
         ax.plot(leaves["tokens"], leaves["cache_storage_bytes"] / MIB, "o", color=colour, markersize=7)
         ax.annotate(
             f"window reached ({leaves['tokens']} tokens)",
@@ -599,6 +636,7 @@ def cache_growth_figure(growth: pd.DataFrame, title: str = ""):
             fontsize=9,
             color=colour,
         )
+    ax.plot([], [], ":", color="0.3", linewidth=1.5, label="dotted: the same model with every layer full")
     ax.set(xlim=(0, None), ylim=(0, None), xlabel="tokens seen (prompt + generated)", ylabel="cache storage (MiB)")
     ax.set_title(title or f"transformers {_version()}'s DynamicCache against the tokens seen", fontsize=10)
     ax.legend(fontsize=9, loc="upper left")
@@ -606,30 +644,50 @@ def cache_growth_figure(growth: pd.DataFrame, title: str = ""):
     return fig
 
 
-def speed_figure(runs: pd.DataFrame, title: str):
+def speed_figure(runs: pd.DataFrame, title: str, baseline: str = "dynamic"):
     """Appendix A2: every timed run of one length (`runs`: kvlab.timing.speed_runs' rows), tokens/s on the
-    left (from zero), the ratio to dynamic's run of the same round on the right (around 1); a dot per run, a red
-    tick at the median, so the spread of the repeats is seen next to the differences between contenders."""
+    left (from zero), the ratio to `baseline`'s run of the same round on the right (around 1); a dot per run, a red
+    tick at the median, so the spread of the repeats is seen next to the differences between contenders. The
+    baseline's own row on the right is its reference line alone (every ratio of it is 1), labelled."""
     from ..timing import spread, with_ratios
 
-    table = spread(runs).reset_index().set_index("contender")
-    runs = with_ratios(runs)
+    table = spread(runs, baseline).reset_index().set_index("contender")
+    runs = with_ratios(runs, baseline)
     order = list(dict.fromkeys(runs["contender"]))
+    others = runs[runs["contender"] != baseline]
     fig, (speed, ratio) = plt.subplots(1, 2, figsize=(WIDTH, 0.55 * len(order) + 1.9), sharey=True)
-    for ax, column, median in ((speed, "tokens_per_s", "median"), (ratio, "ratio", "ratio_median")):
+    for ax, data, column, median in (
+        (speed, runs, "tokens_per_s", "median"),
+        (ratio, others, "ratio", "ratio_median"),
+    ):
         sns.stripplot(
-            runs, y="contender", x=column, order=order, color="black", size=6, jitter=0.12, ax=ax, legend=False
+            data, y="contender", x=column, order=order, color="black", size=6, jitter=0.12, ax=ax, legend=False
         )
+        shown = [c for c in order if c in set(data["contender"])]
         ax.scatter(
-            table.loc[order, median], range(len(order)), marker="|", s=900, linewidths=2.5, color="tab:red", zorder=4
+            table.loc[shown, median],
+            [order.index(c) for c in shown],
+            marker="|",
+            s=900,
+            linewidths=2.5,
+            color="tab:red",
+            zorder=4,
         )
         ax.set(ylabel="")
     ratio.axvline(1, color="black", linewidth=1, zorder=1)
-    low, high = runs["ratio"].min(), runs["ratio"].max()
+    ratio.annotate(
+        f"{baseline} = 1 ×",
+        (1, order.index(baseline)),
+        xytext=(6, 0),
+        textcoords="offset points",
+        va="center",
+        fontsize=9,
+    )
+    low, high = others["ratio"].min(), others["ratio"].max()
     ratio.set_xlim(min(0.9, low - 0.05), max(1.1, high + 0.05))
     speed.set_xlim(0, runs["tokens_per_s"].max() * 1.1)
     speed.set_xlabel("generated tokens per second (every run)")
-    ratio.set_xlabel("÷ dynamic's run of the same round (x)")
+    ratio.set_xlabel(f"÷ {baseline}'s run of the same round (x)")
     speed.legend(
         [
             plt.Line2D([], [], marker="o", color="black", linestyle=""),
