@@ -73,7 +73,7 @@ def write_summary(results: pd.DataFrame, path: Path, title: str) -> None:
         lines += [
             f"On {', '.join(longest['device_name'].unique())} ({longest['device'].iloc[0]}): "
             f"{', '.join(shared)}, {longest['new'].iloc[0]} new tokens (the sweep's longest). Overhead = peak "
-            "above the post-load baseline; overhead/KV: over the final cache; predicted: kvlab.theory; "
+            "above the post-load baseline; overhead/KV: over the final KV; predicted: kvlab.theory; "
             "tokens/s: a run without the live-storage meter.",
             "",
             markdown(comparison_table(results)),
