@@ -110,7 +110,7 @@ class _OpCounter(LiveStorageCounter):
 
     def __torch_dispatch__(self, func, types_, args=(), kwargs=None):
         out = super().__torch_dispatch__(func, types_, args, kwargs)
-        self.live_after.append(self.live_bytes)
+        self.live_after.append(self.live_bytes + self.scratch)
         if len(self.live_after) - 1 == self.stop_at:
             self.explanation = _look(self, str(func), sys._getframe())
             raise _Stop
@@ -186,10 +186,12 @@ def _look(counter: _OpCounter, op: str, dispatch_frame) -> Explanation:
         holders = [name for _, name, _ in found] or [_referrer(first, tensors)]
         shape = "-" if first is None else f"{str(first.dtype).removeprefix('torch.')}{list(first.shape)}"
         held.append(Held(nbytes, shape, nbytes if first is None else first.nbytes, holders))
+    if counter.scratch:
+        held.append(Held(counter.scratch, "-", counter.scratch, [f"{op}: its scratch, freed before it returned"]))
     held.sort(key=lambda h: -h.nbytes)
     caller = (ours or frames)[-1]
     where = f"{_qualname(caller.f_code)} ({_importable(caller.f_code.co_filename)}:{caller.f_lineno})"
-    return Explanation(counter.live_bytes, op, len(counter.live_after) - 1, where, held)
+    return Explanation(counter.live_bytes + counter.scratch, op, len(counter.live_after) - 1, where, held)
 
 
 def _importable(filename: str) -> str:
@@ -324,7 +326,7 @@ def explain_point(
 def explain_generate(model, ids: torch.Tensor, new: int, step: int | None = None, **options) -> Explanation:
     """transformers' own greedy generate(), exactly `new` tokens (no EOS), under `explain`; `options` go to
     generate() (num_beams, cache_implementation, ...)."""
-    with torch.inference_mode():
+    with torch.no_grad():
         return explain(generate_call(model, ids, new, **options), model=model, step=step)
 
 

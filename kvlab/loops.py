@@ -164,7 +164,7 @@ def generate(
     choose = _choice(strategy, release, tokens, new_tokens, num_beams, sampling)
     outputs = None
     start = time.perf_counter()
-    with torch.inference_mode(), _forward_of(model, release, meter) as forward_options:
+    with _grad_mode(device), _forward_of(model, release, meter) as forward_options:
         for _ in range(new_tokens):
             cached = cache_length(kv)
             # As generate() makes them: a mask of ones, and position ids per row from its cumsum, of which
@@ -205,6 +205,13 @@ def generate(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return Generation(tokens, kv, time.perf_counter() - start)
+
+
+def _grad_mode(device: torch.device):
+    """no_grad, as generate() runs, so that a dispatch mode sees what SDPA allocates inside (its CPU flash kernel's
+    float mask, logsumexp and scratch). On meta, which has no SDPA kernel of its own, PyTorch would decompose SDPA
+    into its math path, whose whole scores no real device's fused kernel allocates: inference_mode keeps it one op."""
+    return torch.inference_mode() if device.type == "meta" else torch.no_grad()
 
 
 def _check(cache: str, loop: str, strategy: str, new_tokens: int) -> None:

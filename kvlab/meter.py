@@ -37,6 +37,27 @@ def _storages(tree):
 
 
 LIFT_FRESH = torch.ops.aten.lift_fresh.default
+CPU_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+SAFE_SOFTMAX = torch.ops.aten._safe_softmax.default  # SDPA's math path (unequal head sizes, the meta device)
+
+
+def flash_scratch_bytes(q_len: int, kv_len: int, head_size: int, reduced: bool, threads: int | None = None) -> int:
+    """The scratch CPU flash attention allocates inside its kernel and frees before it returns, which no op
+    output shows: per thread, one query block's scores against one key block, their row maxima and sums and an
+    output block (fp32), plus the scores in the input dtype when that is bf16/fp16 (`reduced`) (ATen's
+    `cpu_flash_attention`: query blocks of 32, 64 or 256 rows by length, key blocks of 512; checked against
+    PyTorch's profiler). A CPU that packs bf16 keys for its matrix units (AMX) allocates more than this."""
+    q_split = min(256 if q_len >= 768 else 64 if q_len >= 192 else 32, q_len)
+    kv_split = min(512, kv_len)
+    per_thread = (q_split * kv_split + 2 * q_split + q_split * head_size) * 4 + reduced * q_split * kv_split * 2
+    return (threads or torch.get_num_threads()) * per_thread
+
+
+def safe_softmax_scratch_bytes(scores: torch.Tensor, dim: int) -> int:
+    """What `aten._safe_softmax` (the softmax of SDPA's math path) allocates beside its output and frees before it
+    returns: a bool per score (`scores == -inf`), a bool per row (all of them), and a 0-dim tensor of the scores'
+    dtype (ATen's attention.cpp; checked against PyTorch's profiler)."""
+    return scores.numel() + scores.numel() // scores.shape[dim] + scores.element_size()
 
 
 class LiveStorageCounter(TorchDispatchMode):
@@ -46,8 +67,13 @@ class LiveStorageCounter(TorchDispatchMode):
     latter is counted. `torch.tensor(data)` builds its storage outside dispatch and hands it to
     `aten.lift_fresh`, whose input is therefore counted as new. Blind spots, each pinned by a test against
     PyTorch's profiler:
-    - allocations inside one kernel that no output keeps (SDPA's workspace, casts inside a kernel, the 0-dim
-      tensors wrapping Python scalars): transient, they matter only when the peak falls inside that kernel;
+    - allocations inside one kernel that no output keeps (casts inside a kernel, the 0-dim tensors wrapping
+      Python scalars): transient, they matter only when the peak falls inside that kernel. The one kernel where
+      a peak does fall, SDPA, is counted: the scratch of CPU flash attention (`flash_scratch_bytes`, which
+      grows with torch's threads) and of the math path's softmax (`safe_softmax_scratch_bytes`) from their
+      shapes, their outputs as any op's, provided SDPA runs under `no_grad` as `generate()` does (under
+      `inference_mode` the mode sees only the outer `scaled_dot_product_attention`: neither the float copy of a
+      bool mask, nor the logsumexp, nor the math path's scores, nor any scratch);
     - storages built without an op: `torch.load`, `torch.UntypedStorage(n)`;
     - tensors made in another Python thread (a dispatch mode is thread-local; the profiler misses them too);
     - memory c10 did not allocate: `torch.from_numpy`, `torch.frombuffer` (neither meter counts it);
@@ -62,9 +88,11 @@ class LiveStorageCounter(TorchDispatchMode):
         self.peak_bytes = 0
         self.peak_storages: list[tuple[int, int]] = []  # (serial, nbytes) of each storage live at the peak
         self.step_peak_bytes = 0
+        self.scratch = 0  # the last op's transient scratch (bytes), already freed
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        self.scratch = 0
         inputs = None
         for storage in _storages(out):
             key = storage._cdata
@@ -84,15 +112,27 @@ class LiveStorageCounter(TorchDispatchMode):
             self.live[key] = (next(self._serials), nbytes)
             weakref.finalize(storage, self._free, key)
             self._add(nbytes)
+        if func is CPU_FLASH and args[0].device.type == "cpu":
+            query, value = args[0], args[2]
+            reduced = query.dtype in (torch.bfloat16, torch.float16)
+            self._spike(flash_scratch_bytes(query.shape[-2], value.shape[-2], value.shape[-1], reduced))
+        elif func is SAFE_SOFTMAX:
+            self._spike(safe_softmax_scratch_bytes(args[0], args[1]))
         return out
 
-    def _add(self, nbytes: int):
+    def _spike(self, nbytes: int):
+        """A transient inside the op just run: alive beside its outputs, freed before it returned."""
+        self._add(nbytes, scratch=nbytes)
+        self.live_bytes -= nbytes
+        self.scratch = nbytes
+
+    def _add(self, nbytes: int, scratch: int = 0):
         self.live_bytes += nbytes
         if self.live_bytes > self.step_peak_bytes:
             self.step_peak_bytes = self.live_bytes
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
-            self.peak_storages = list(self.live.values())
+            self.peak_storages = list(self.live.values()) + ([(-1, scratch)] if scratch else [])
 
     def _free(self, key: int):
         entry = self.live.pop(key, None)

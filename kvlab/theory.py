@@ -1,12 +1,13 @@
 """The analytic peak: bytes above the weights for one point, term by term.
 
-Nothing here is fitted to a measurement. Each decoding step is walked through its phases (cache
-update at the last layer, the MLP, the lm_head, a beam reorder) and the bytes alive in each phase
-are counted from shapes: the cache each design holds, the copies its update makes, the logits the
-loop keeps, and the activations of one layer. The peak is the largest phase over all steps.
+Nothing here is fitted to a measurement. Each decoding step is walked through its phases (the rotary
+embedding, cache update and attention of the last layer, the MLP, the lm_head, a beam reorder) and the
+bytes alive in each phase are counted from shapes: the cache each design holds, the copies its update
+makes, the logits the loop keeps, and the activations of one layer. The peak is the largest phase over all
+steps.
 
 How it reads: `peak_phases` walks a `Run` (what the point fixes) step by step; `CacheWalk` gives each forward's
-`Step` (what the cache holds around it); each phase is a function of the two (`_update_phase` ...
+`Step` (what the cache holds around it); each phase is a function of the two (`_rotary_phase` ...
 `_beam_reorder_phase`), and what lives through the whole step is added to each (`_held_through_the_step`,
 `_previous_locals`). `breakdown` is the peak's terms for printing.
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 from .caches import sliding_windows
 from .loops import LOOPS, Release
+from .meter import flash_scratch_bytes
 from .models import element_size, final_kv_bytes, head_dim, kv_bytes_per_token
 
 POINT_KEYS = (
@@ -37,6 +39,7 @@ POINT_KEYS = (
     "chunk_limit",
     "block_tokens",
     "runtime",
+    "device",
 )
 INT64 = 8
 FP32 = 4
@@ -152,8 +155,9 @@ class Run:
         restart_new: int,
         chunk_limit: int,
         block_tokens: int,
+        device: str = "cpu",
     ):
-        self.s, self.release, self.windows = s, release, windows
+        self.s, self.release, self.windows, self.device = s, release, windows, device
         self.cache, self.strategy, self.runtime, self.restart_from = cache, strategy, runtime, restart_from
         self.prompt, self.new, self.restart_new = prompt, new, restart_new
         self.chunk_limit, self.block_tokens = chunk_limit, block_tokens
@@ -191,6 +195,7 @@ class Step:
     consolidated: bool  # list: this update joined the chunks into one
     mask: dict  # the attention mask's term, if the forward builds one (alive until the decoder stack returns)
     keys: int  # keys the last layer attends to
+    last_growth: int  # tokens the last layer's storage grows by in its update (after its rotary embedding)
 
 
 class CacheWalk:
@@ -219,14 +224,20 @@ class CacheWalk:
         if r.static_windows:
             held_after = 2 * s.t * sum(r.static_windows)
         old_last, seen = before, after  # tokens of the last layer's values storage before its cat; keys attended
+        last_growth = fed
         if self.layers is not None:
             old_last = self.layers.storage[-1]
             self.layers.update(fed)
             held_after = 2 * s.t * sum(self.layers.storage)
             seen = self.layers.storage[self.sliding.index(r.window)] if r.window else after
+            last_growth = self.layers.storage[-1] - old_last
+        elif r.cache == "static":  # each layer allocates its whole buffers at its first update
+            last_growth = (r.static_windows or [r.static_len])[-1] if index == 0 else 0
         transient = 0
         if self.buffers is not None:
+            last_slots = self.buffers.storage[-1]
             transient = self.buffers.update(fed, before)
+            last_growth = self.buffers.storage[-1] - last_slots
             held_after = 2 * s.t * sum(self.buffers.storage)
             seen = min(before, r.window - 1) + fed if r.window else after  # a sliding layer: its kept window + fed
         consolidated = False
@@ -253,6 +264,7 @@ class CacheWalk:
             consolidated=consolidated,
             mask=_mask(r, fed, seen, full_seen),
             keys=seen if r.last_window else full_seen,
+            last_growth=last_growth,
         )
         self.held, self.fed = held_after, fed
         return step
@@ -321,6 +333,26 @@ def _around_the_layer(step: Step) -> dict:
     return {"cache after the update": step.held_after, "old tuple still referenced": step.old_tuple}
 
 
+def _rotary_phase(r: Run, step: Step) -> dict | None:
+    """The last layer's rotary embedding, before its cache update: `q * cos + rotate_half(q) * sin` holds, beside q,
+    its product with cos, its rotated copy and that copy's product with sin; then the same for k, beside q's result.
+    It peaks where the query is wide (heads x head_dim above the hidden size). GPT-OSS rotates halves instead (not
+    walked: its eager attention peaks later)."""
+    s, fed = r.s, step.fed
+    if s.eager:
+        return None
+    q, k = (s.rows * fed * heads * s.head_dim * s.e for heads in (s.heads, s.kv_heads))
+    return {
+        "cache before the last layer's update": step.held_after - 2 * s.t * step.last_growth,
+        "old tuple still referenced": step.old_tuple,
+        "activations of one layer": _layer_activations(s, fed),
+        "rotary embedding: x * cos, rotate_half(x), its product with sin (x = q, or k beside q's result)": max(
+            3 * q, q + 3 * k
+        ),
+        **step.mask,
+    }
+
+
 def _update_phase(r: Run, step: Step) -> dict:
     """The last layer's cache update: the copies the design makes as it writes the new tokens (they die before
     attention starts), beside the layer's activations (its new keys and values among them)."""
@@ -356,12 +388,27 @@ def _attention_phase(r: Run, step: Step) -> dict:
             2 * r.groups * s.t * step.keys if copies else 0
         )
         terms["attention output"] = s.rows * fed * s.heads * s.head_dim * s.e
+        if r.device == "cpu":
+            terms.update(_cpu_flash_attention(r, step, masked=bool(step.mask and fed > 1 and r.last_window)))
     else:
         terms["eager attention: scores, with the sinks, shifted, and their maxima"] = _one_keys_scores(s, fed) * (
             3 * step.keys + 3
         )
         terms["repeat_kv copies of one layer"] = 2 * r.groups * s.t * step.keys if r.groups > 1 else 0
     return terms
+
+
+def _cpu_flash_attention(r: Run, step: Step, masked: bool) -> dict:
+    """What SDPA allocates inside on CPU, where it runs the flash kernel (grouped-query or not): a float copy of the
+    bool mask it is given, its logsumexp (fp32 per row, head and query) and the scratch the kernel frees before it
+    returns (`kvlab.meter.flash_scratch_bytes`: a block of scores per thread, this process's threads). Not modelled:
+    CUDA's fused kernels' own transients; the meta device runs SDPA as one op (`kvlab.loops`)."""
+    s, fed = r.s, step.fed
+    return {
+        "SDPA: float copy of the mask": s.rows * fed * step.seen * s.e if masked else 0,
+        "SDPA: logsumexp (fp32)": s.rows * s.heads * fed * FP32,
+        "SDPA: flash kernel's scratch, per thread": flash_scratch_bytes(fed, step.keys, s.head_dim, s.e == 2),
+    }
 
 
 def _one_keys_scores(s: Shape, fed: int) -> int:
@@ -492,9 +539,11 @@ def _beam_reorder_phase(r: Run, walk: CacheWalk, step: Step) -> dict | None:
 
 
 def _phases(r: Run, walk: CacheWalk, step: Step) -> dict:
-    """The step's phases in the order they happen, each its terms: the last layer's update, its attention, the
-    mask built before the first layer, the MLP, the lm_head, then the loop's own work after the forward."""
+    """The step's phases in the order they happen, each its terms: the last layer's rotary embedding, its update,
+    its attention, the mask built before the first layer, the MLP, the lm_head, then the loop's own work after the
+    forward."""
     phases = {
+        "rotary": _rotary_phase(r, step),
         "update": _update_phase(r, step),
         "attention": _attention_phase(r, step),
         "mask": _mask_phase(r, step),
@@ -557,6 +606,7 @@ def peak_phases(
     chunk_limit=50,
     block_tokens=32,
     runtime="eager",
+    device="cpu",
 ):
     """Every phase's bytes above the weights; returns (peak, the phase that makes it, its terms, final KV, tokens
     each layer's storage holds at the end).
@@ -566,6 +616,7 @@ def peak_phases(
     caller holds while the copied cache object grows; export has phases of its own (`_exported_peak`).
     `restart_from="tuples"`: the second call's cache object starts from the first call's tensors, which the
     caller's tuples keep alive for the whole call.
+    `device`: where the point runs; on CPU the attention phase holds what SDPA's flash kernel allocates inside.
     """
     s = Shape(config, batch, dtype, strategy, num_beams)
     if runtime == "export":
@@ -584,6 +635,7 @@ def peak_phases(
         restart_new=restart_new,
         chunk_limit=chunk_limit,
         block_tokens=block_tokens,
+        device=str(device).split(":")[0],  # cuda:1 -> cuda
     )
     walk, best = CacheWalk(r), (-1, None, None)
     for step in walk.steps():

@@ -9,9 +9,9 @@ command line stores (kvlab.lab.waste_table):
 Each point runs generate() under the meter (its peak, each forward's peak), under `explain` (the storages at the
 peak and their holders), and each fix under the meter. Rows: `baseline` (weights; the final KV from the shapes;
 one step's activations), `term` (the cache update's op output, storage the cache's tensors do not show, the cache
-against the final one, the attention mask being built, activations above one step's), `check` (the meter's peak:
-baseline and terms add up to it), `note` (not added up: the prompt's forward, the view kept after it, a static
-cache's unwritten capacity) and `fix` (each fix's peak and what it saves).
+against the final one, the attention mask with SDPA's float copy of it, activations above one step's), `check`
+(the meter's peak: baseline and terms add up to it), `note` (not added up: the prompt's forward, the view kept
+after it, a static cache's unwritten capacity) and `fix` (each fix's peak and what it saves).
 """
 
 from __future__ import annotations
@@ -53,10 +53,12 @@ UPSTREAM = {
     "activations": "src/transformers/generation/utils.py: GenerationMixin.generate (_expand_inputs_for_generation "
     "before the prompt's forward, _prefill)",
     "mask": "src/transformers/masking_utils.py: and_masks (result = result & mask(...): each & a new bool tensor "
-    "while the last is alive)",
+    "while the last is alive); src/transformers/integrations/sdpa_attention.py: sdpa_attention_forward (hands "
+    "the bool mask to SDPA, which attends with a float copy of it)",
 }
 CACHE_TENSOR = re.compile(r"\.layers\[(\d+)\]\.(keys|values)$")
 MASK_TENSOR = re.compile(r"^bool\[\d+, \d+, \d+, \d+\]$")  # an attention mask: (batch, heads or 1, queries, keys)
+SDPA_MASK = "kwargs['attn_mask']"  # SDPA's float copy of a bool mask, held by its kernel's call
 COLUMNS = [
     "point",
     "preset",
@@ -91,7 +93,7 @@ def held_cache_bytes(config, batch: int, prompt: int, new: int, dtype: str) -> i
 def metered(run, model) -> tuple[int, list[tuple[int, int]]]:
     """Peak bytes above the weights, and (live bytes at its start, peak bytes) for each forward of `model`."""
     meter = MemoryMeter("cpu", model)
-    with model.register_forward_pre_hook(lambda *_: meter.step()), torch.inference_mode(), meter:
+    with model.register_forward_pre_hook(lambda *_: meter.step()), torch.no_grad(), meter:
         run()
         meter.step()
     report = meter.report()
@@ -114,8 +116,8 @@ def _record_cache(model, sizes: list):
 
 def split_peak(explanation) -> dict:
     """The storages at the peak as the rows' terms: cache tensors, storage they do not show, the op's output where
-    the op updates the cache, the attention masks being built (4-D bool tensors), and the rest (activations), with
-    the masks' holders and the rest's three largest holders."""
+    the op updates the cache, the attention masks (4-D bool tensors, and the float copy SDPA is given), and the rest
+    (activations), with the masks' holders and the rest's three largest holders."""
     parts = dict.fromkeys(("cache_shown", "cache_hidden", "op_out", "mask", "rest"), 0)
     others, masks = Counter(), Counter()  # holder name (indices as [i]) -> bytes
     cache_op = "cache_utils.py" in explanation.where
@@ -126,7 +128,7 @@ def split_peak(explanation) -> dict:
             parts["cache_hidden"] += item.nbytes - item.tensor_bytes
         elif cache_op and item.holders[0] == f"{explanation.op}: out":
             parts["op_out"] += item.nbytes
-        elif MASK_TENSOR.match(item.tensor):
+        elif MASK_TENSOR.match(item.tensor) or any(name.endswith(SDPA_MASK) for name in item.holders):
             parts["mask"] += item.nbytes
             masks[f"{holder} {item.tensor}"] += item.nbytes
         else:
@@ -151,7 +153,7 @@ def terms(name: str, point: dict | None = None) -> list[dict]:
     sizes = []
     with _record_cache(model, sizes):
         peak, forwards = metered(run, model)
-    with torch.inference_mode():
+    with torch.no_grad():
         explanation = explain(run, model=model)
     final = held_cache_bytes(model.config, COMMON["batch"] * beams, point["prompt"], point["new"], COMMON["dtype"])
     parts = split_peak(explanation)
@@ -216,9 +218,9 @@ def _peak_terms(name: str, explanation, parts: dict, final: int, step_activation
         ),
         (
             "term",
-            "the attention mask being built",
+            "the attention mask",
             parts["mask"],
-            parts["masks"] or "4-D bool tensors: none at the peak",
+            parts["masks"] or "4-D bool masks and SDPA's float copies: none at the peak",
             UPSTREAM["mask"] if parts["mask"] else "",
         ),
         (
@@ -347,7 +349,7 @@ def cache_growth(
         model = build_model(preset, preset_overrides, dtype=COMMON["dtype"], seed=COMMON["seed"])
         ids = random_prompt(model.config.vocab_size, COMMON["batch"], prompt, COMMON["seed"])
         sizes = []
-        with _record_cache(model, sizes), torch.inference_mode():
+        with _record_cache(model, sizes), torch.no_grad():
             generate_call(model, ids, new)()
         token = kv_bytes_per_token(model.config, COMMON["batch"], COMMON["dtype"])  # every layer's, full attention
         rows += [

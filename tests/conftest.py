@@ -75,7 +75,8 @@ def sliding_toy_bf16(sliding_config):
 
 @pytest.fixture(scope="module")
 def one_thread():
-    """One torch thread for a module: memory does not depend on it, and OpenMP threads spin-wait: on a shared
+    """One torch thread for a module: memory barely depends on it (CPU flash attention's scratch, one block per
+    thread, which the meter and the theory both count for the threads set), and OpenMP threads spin-wait: on a shared
     2-core machine two threads spinning against other processes make a decode ~20x slower (bf16 crawls)."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)

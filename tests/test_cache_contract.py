@@ -397,7 +397,7 @@ def test_no_prompt_length_buffer_alive_after_the_prefill_but_dynamics_view(slidi
     prompt, config = torch.randint(0, 1000, (2, 64), generator=torch.Generator().manual_seed(2)), sliding_toy.config
     per_token = 2 * config.num_key_value_heads * (config.hidden_size // config.num_attention_heads) * 4  # batch 2, fp32
     cache = make_cache(design, sliding_toy)
-    with torch.inference_mode(), MemoryMeter("cpu", sliding_toy) as meter:
+    with torch.no_grad(), MemoryMeter("cpu", sliding_toy) as meter:
         sliding_toy(prompt, use_cache=True, **{cache_argument(sliding_toy): cache})  # outputs dropped at once
         live = sorted(meter.counter.bytes_by_serial().values())
     layers = config.num_hidden_layers

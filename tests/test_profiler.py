@@ -10,10 +10,14 @@ import threading
 import numpy as np
 import pytest
 import torch
+from transformers import AutoConfig
 
+from kvlab import theory
 from kvlab.caches import CACHES
+from kvlab.explain import explain, generate_call
 from kvlab.loops import LOOPS, generate
 from kvlab.meter import LiveStorageCounter, MemoryMeter
+from kvlab.models import build_model, random_prompt
 from kvlab.profiler import ProfiledAllocations, profiler_peak
 
 F32 = 4
@@ -94,14 +98,119 @@ def test_python_scalars_and_casts_inside_a_kernel():
     assert profiled == (1000 * F32 + 8 + 4, 1000 * F32)
 
 
-def test_attention_workspace_inside_the_sdpa_kernel(one_thread):
+def test_attention_under_inference_mode_is_one_op(one_thread):
     q = torch.randn(2, 4, 64, 32)
-    counted, profiled = both(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q))
-    output, logsumexp = q.numel() * F32, 2 * 4 * 64 * F32  # the flash kernel's two outputs
-    assert counted == (output + logsumexp, output)
-    # Per-thread buffers (scores, row max and sum, accumulator) allocated and freed inside the kernel.
-    assert profiled[0] > output + logsumexp
-    assert profiled[1] == output
+    with torch.inference_mode():
+        counted, profiled = both(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q))
+    # The mode sees scaled_dot_product_attention's output only; the flash kernel's logsumexp and scratch are
+    # allocated below it. Under no_grad (below) the kernel is dispatched itself.
+    assert counted == (q.numel() * F32, q.numel() * F32)
+    assert profiled[0] > counted[0] + 2 * 4 * 64 * F32
+
+
+# -- the one kernel whose scratch is counted: CPU flash attention, under no_grad -------------------------
+
+# (batch, heads, kv heads, queries, keys, head size, dtype, bool mask, threads): each query-block size (32, 64,
+# 256 rows), a key block shorter than the keys, one query against a cache, grouped heads, a mask, two threads.
+FLASH_SHAPES = [
+    (2, 4, 4, 64, 64, 32, torch.float32, False, 1),
+    (2, 8, 2, 64, 64, 16, torch.float32, True, 2),
+    (2, 8, 8, 300, 300, 64, torch.float32, False, 1),
+    (2, 8, 8, 1, 300, 64, torch.float32, True, 1),
+    (1, 4, 4, 800, 800, 64, torch.float32, False, 1),
+    (2, 8, 8, 300, 600, 64, torch.float32, True, 1),
+]
+# bf16 adds a scratch copy of the scores; a CPU with AVX-512 or AMX may also pack the keys, which is not modelled.
+if torch.backends.cpu.get_cpu_capability() in ("DEFAULT", "AVX2"):
+    FLASH_SHAPES += [(2, 8, 8, 300, 300, 64, torch.bfloat16, True, 1), (2, 8, 8, 1, 300, 64, torch.bfloat16, False, 1)]
+
+
+@pytest.mark.parametrize("shape", FLASH_SHAPES, ids=str)
+def test_the_flash_kernels_scratch_is_counted(shape):
+    batch, heads, kv_heads, queries, keys, head_size, dtype, masked, threads = shape
+    q = torch.randn(batch, heads, queries, head_size, dtype=dtype)
+    k, v = (torch.randn(batch, kv_heads, keys, head_size, dtype=dtype) for _ in range(2))
+    mask = torch.ones(batch, 1, queries, keys, dtype=torch.bool).tril(keys - queries) if masked else None
+    causal = not masked and queries == keys
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            counted, profiled = both(
+                lambda: torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=mask, is_causal=causal, enable_gqa=kv_heads != heads
+                )
+            )
+    finally:
+        torch.set_num_threads(before)
+    assert counted == profiled
+
+
+def test_the_math_paths_softmax_scratch_is_counted():
+    scores = torch.randn(2, 4, 64, 64)
+    scores[0, 0, 3] = -torch.inf  # a fully masked row: the case _safe_softmax exists for
+    with torch.no_grad():
+        counted, profiled = both(lambda: torch.ops.aten._safe_softmax(scores, -1))
+    assert counted == profiled
+
+
+# -- where SDPA holds the peak of generate(): the two meters, then the theory --------------------------------
+
+# Tiny configs whose peak is inside SDPA (batch 2, prompt 64, 32 new): Mistral with a 16-token window (SDPA gets a
+# bool mask and grouped heads: the CPU flash kernel on a float copy of the mask) and DeepSeek-V3 (MLA: query-key
+# and value head sizes differ, so SDPA takes its math path: the whole scores and their softmax).
+SDPA_PEAKS = {
+    "mistral": (
+        dict(num_attention_heads=8, num_key_value_heads=2, head_dim=16, intermediate_size=128, sliding_window=16),
+        "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    ),
+    "deepseek_v3": (
+        dict(num_attention_heads=4, num_key_value_heads=4, intermediate_size=96, moe_intermediate_size=32,
+             kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16,
+             n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1),
+        "aten._safe_softmax.default",
+    ),
+}  # fmt: skip
+SDPA_POINT = dict(batch=2, prompt=64, new=32)
+
+
+def sdpa_model(tmp_path, model_type):
+    sizes, _ = SDPA_PEAKS[model_type]
+    config = dict(num_hidden_layers=2, hidden_size=64, vocab_size=1000, max_position_embeddings=256, pad_token_id=0)
+    AutoConfig.for_model(model_type, **config, **sizes).to_json_file(tmp_path / "config.json")
+    return build_model(str(tmp_path / "config.json"))
+
+
+@pytest.mark.parametrize("model_type", SDPA_PEAKS)
+def test_counter_and_profiler_agree_where_sdpa_holds_the_peak(model_type, tmp_path, one_thread):
+    model = sdpa_model(tmp_path, model_type)
+    ids = random_prompt(model.config.vocab_size, SDPA_POINT["batch"], SDPA_POINT["prompt"], 0)
+    run = generate_call(model, ids, SDPA_POINT["new"])  # transformers' own generate()
+    with torch.no_grad(), MemoryMeter("cpu", model) as meter:
+        run()
+    with torch.no_grad(), ProfiledAllocations() as profiled:
+        run()
+    with torch.no_grad():
+        assert explain(run, model=model).op == SDPA_PEAKS[model_type][1]  # the peak is where this test means it
+    counted = meter.report().overhead_bytes
+    assert abs(counted / profiled.peak_bytes - 1) <= 0.01, (counted, profiled.peak_bytes)
+
+
+def test_theory_follows_the_allocator_inside_sdpa(tmp_path, one_thread):
+    """kvlab's dynamic/v5 loop and transformers' own generate() on the windowed Mistral config, under the profiler,
+    against the theory: its attention phase holds SDPA's float mask, logsumexp and flash scratch."""
+    model = sdpa_model(tmp_path, "mistral")
+    ids = random_prompt(model.config.vocab_size, SDPA_POINT["batch"], SDPA_POINT["prompt"], 0)
+    point = dict(SDPA_POINT, cache="dynamic", loop="v5", dtype="float32")
+    predicted = theory.breakdown(model.config, **point)
+    assert predicted["peak_at"] == "step 0 (attention)"
+    with torch.no_grad():
+        peaks = {
+            "kvlab": profiler_peak(lambda: generate(model, ids, point["new"], cache="dynamic", loop="v5")),
+            "generate()": profiler_peak(generate_call(model, ids, point["new"])),
+        }
+    for whose, peak in peaks.items():
+        assert abs(predicted["predicted_overhead_bytes"] / peak - 1) <= 0.01, (whose, peak, predicted)
 
 
 def test_storages_built_without_an_op():

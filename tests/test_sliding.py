@@ -157,7 +157,7 @@ LONG_PROMPT = ["sliding_window=64", "num_hidden_layers=2", "intermediate_size=12
 @pytest.mark.parametrize(
     "cache, strategy, batch, where",
     [
-        ("dynamic", "greedy", 1, "step 0 (mask)"),
+        ("dynamic", "greedy", 1, "step 0 (attention)"),
         ("dynamic", "beam", 1, "step 0 (attention)"),
         ("prealloc", "greedy", 2, "step 0 (attention)"),
     ],

@@ -150,11 +150,9 @@ def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: boo
         if max_new:
             limit = config.max_position_embeddings - p["prompt"] - p["restart_new"]  # the positions left
             design = point_of(p, cache=cache, loop=loop)
-            row["max_new"] = largest_new(
-                lambda n, design=design: weights + theory.predict_overhead(config, **dict(design, new=n)) <= memory,
-                limit,
-            )
-            row["max_new_is_context"] = row["max_new"] == limit
+            fits = lambda n, design=design: weights + theory.predict_overhead(config, **dict(design, new=n)) <= memory
+            row["max_new"] = largest_new(fits, limit) if limit > 0 else 0  # a prompt past the context: none
+            row["max_new_is_context"] = row["max_new"] == max(limit, 0)
         rows.append(row)
     sizes = {
         key: p[key] for key in ("preset", "overrides", "dtype", "strategy", "batch", "prompt", "new", "restart_new")

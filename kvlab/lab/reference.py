@@ -211,7 +211,7 @@ def _measure_point(spec: dict) -> dict:
     if spec["cache_implementation"]:
         options["cache_implementation"] = spec["cache_implementation"]
     gc.collect()  # nothing of the previous point may die inside this one's meter
-    with torch.inference_mode(), MemoryMeter(spec["device"], model) as meter:
+    with torch.no_grad(), MemoryMeter(spec["device"], model) as meter:
         if spec["restart_new"]:
             # As the PR's restart example: the caller holds `first` and passes back its past_key_values, which
             # 4.x's generate() returns as tuples (4.42: return_legacy_cache=True by default).

@@ -470,7 +470,7 @@ WASTE_NAMES = {
     "activations above one step's": "the prompt's forward",
     "storage the cache's tensors do not show": "views of longer buffers",
 }
-MASK_TERM = "the attention mask being built"
+MASK_TERM = "the attention mask"
 
 
 def waste_parts(table: pd.DataFrame) -> pd.DataFrame:
@@ -513,16 +513,17 @@ def _waste_label(row) -> str:
 
 
 def _largest_name(row) -> str:
-    """The largest waste term as a figure says it: the mask by its size (copies × batch × prompt² bools)."""
+    """The largest waste term as a figure says it: the masks by their size, bytes per query-key pair × batch ×
+    prompt² (one per bool mask alive, plus the element size of SDPA's float copy where the peak is inside SDPA)."""
     if row["largest"] != MASK_TERM:
         return WASTE_NAMES.get(row["largest"], row["largest"])
     from ..caches import sliding_windows
 
     config = build_config(row["preset"], row["overrides"].split())
     kind = "sliding-window mask" if any(sliding_windows(config)) else "attention mask"
-    copies = row["largest_bytes"] / (row["batch"] * row["prompt"] ** 2)
+    per_pair = row["largest_bytes"] / (row["batch"] * row["prompt"] ** 2)
     batch = f"{row['batch']} × " if row["batch"] > 1 else ""
-    return f"the {kind}, {copies:g} × {batch}{row['prompt']}² bools"
+    return f"the {kind}s, {per_pair:g} bytes per query-key pair × {batch}{row['prompt']}²"
 
 
 def _times(ratio: float) -> str:
