@@ -208,9 +208,11 @@ def generate(
 
 
 def _grad_mode(device: torch.device):
-    """no_grad, as generate() runs, so that a dispatch mode sees what SDPA allocates inside (its CPU flash kernel's
-    float mask, logsumexp and scratch). On meta, which has no SDPA kernel of its own, PyTorch would decompose SDPA
-    into its math path, whose whole scores no real device's fused kernel allocates: inference_mode keeps it one op."""
+    """no_grad, as generate() runs, so that a dispatch mode sees SDPA's own operators (the float copy of a bool mask,
+    the CPU flash kernel's outputs; the meter adds the kernel's scratch from their shapes). Under an outer
+    inference_mode SDPA is one operator again. On meta, which has no SDPA kernel of its own, PyTorch would decompose
+    SDPA into its math path, whose whole scores no real device's fused kernel allocates: inference_mode keeps it one
+    op there."""
     return torch.inference_mode() if device.type == "meta" else torch.no_grad()
 
 

@@ -401,13 +401,14 @@ def _attention_phase(r: Run, step: Step) -> dict:
 def _cpu_flash_attention(r: Run, step: Step, masked: bool) -> dict:
     """What SDPA allocates inside on CPU, where it runs the flash kernel (grouped-query or not): a float copy of the
     bool mask it is given, its logsumexp (fp32 per row, head and query) and the scratch the kernel frees before it
-    returns (`kvlab.meter.flash_scratch_bytes`: a block of scores per thread, this process's threads). Not modelled:
-    CUDA's fused kernels' own transients; the meta device runs SDPA as one op (`kvlab.loops`)."""
+    returns (`kvlab.meter.flash_scratch_bytes`: a block of scores per thread, for this process's torch threads, so a
+    prediction on CPU depends on them). Not modelled: CUDA's fused kernels' own transients; the meta device runs
+    SDPA as one op (`kvlab.loops`)."""
     s, fed = r.s, step.fed
     return {
-        "SDPA: float copy of the mask": s.rows * fed * step.seen * s.e if masked else 0,
+        "SDPA: float copy of the mask": s.rows * fed * step.keys * s.e if masked else 0,
         "SDPA: logsumexp (fp32)": s.rows * s.heads * fed * FP32,
-        "SDPA: flash kernel's scratch, per thread": flash_scratch_bytes(fed, step.keys, s.head_dim, s.e == 2),
+        "SDPA: flash kernel's scratch, a block per thread": flash_scratch_bytes(fed, step.keys, s.head_dim, s.e == 2),
     }
 
 

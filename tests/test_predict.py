@@ -249,7 +249,7 @@ def test_max_batch_and_max_new_are_the_largest_that_fit(no_model):
     assert 1000 < longest < 8000 and fits("tuple", "v4.40", new=longest) and not fits("tuple", "v4.40", new=longest + 1)
 
 
-def test_a_prompt_past_the_context_leaves_no_new_token():
+def test_a_prompt_past_the_context_leaves_no_new_token(no_model):
     # Llama-2-7B has 4096 positions: a 5000-token prompt leaves none, whatever the memory.
     row = kvlab.predict("llama2-7b", cache="dynamic", loop="v5", memory="1TiB", max_new=True, prompt=5000, new=8)
     assert (row["designs"][0]["max_new"], row["designs"][0]["max_new_is_context"]) == (0, True)

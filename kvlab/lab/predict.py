@@ -99,6 +99,19 @@ def largest_new(fits, limit: int) -> int:
     return bisect.bisect_left(range(1, limit), True, key=lambda n: not fits(n))
 
 
+def largest_batch(config, design: dict, room: int) -> int:
+    """The largest batch whose predicted overhead fits in `room` bytes: the batch-1 overhead divides the room (a
+    term that is not per sequence, like the flash scratch, makes that a slight underestimate), then the walk
+    checks the batches next to it."""
+    overhead = lambda batch: theory.predict_overhead(config, **dict(design, batch=batch))  # noqa: E731
+    batch = max(0, room // overhead(1))
+    while batch and overhead(batch) > room:
+        batch -= 1
+    while overhead(batch + 1) <= room:
+        batch += 1
+    return batch
+
+
 def predict(
     preset: str = "toy",
     *,
@@ -114,8 +127,9 @@ def predict(
     the pair given. `point`: batch, prompt, new, dtype, strategy, num_beams, restart_new, overrides (as `measure`).
 
     With `memory` ("80GiB", "22.5 GB" or bytes) each design says whether it fits, and answers the inverse questions
-    for that memory: the largest batch (`max_batch`; every byte theory counts is per sequence, so the overhead is
-    the batch times that of batch 1) and the longest generation (`max_new`, up to the model's context).
+    for that memory: the largest batch (`max_batch`: nearly every byte theory counts is per sequence, so the
+    overhead is about the batch times that of batch 1, then checked at that batch and the next; CPU flash
+    attention's scratch is per thread) and the longest generation (`max_new`, up to the model's context).
     """
     if (max_batch or max_new) and memory is None:
         raise ValueError("--max-batch and --max-new answer for a memory size: give --memory too")
@@ -145,8 +159,7 @@ def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: boo
         if memory is not None:
             row["fits"] = row["peak_bytes"] <= memory
         if max_batch:
-            one = theory.predict_overhead(config, **point_of(p, cache=cache, loop=loop, batch=1))
-            row["max_batch"] = max(0, (memory - weights) // one)
+            row["max_batch"] = largest_batch(config, point_of(p, cache=cache, loop=loop), memory - weights)
         if max_new:
             limit = config.max_position_embeddings - p["prompt"] - p["restart_new"]  # the positions left
             design = point_of(p, cache=cache, loop=loop)
