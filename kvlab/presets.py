@@ -120,6 +120,20 @@ DECODERS: dict[str, tuple[type, dict]] = {
             rope_theta=500000.0,
         ),
     ),
+    "llama3-70b": (
+        LlamaConfig,
+        dict(  # meta-llama/Meta-Llama-3-70B: for planning with predict (80 layers; nothing this size is built here)
+            hidden_size=8192,
+            intermediate_size=28672,
+            num_hidden_layers=80,
+            num_attention_heads=64,
+            num_key_value_heads=8,
+            vocab_size=128256,
+            max_position_embeddings=8192,
+            rms_norm_eps=1e-5,
+            rope_theta=500000.0,
+        ),
+    ),
     # Today's attention layouts. Unlisted values are the config class's defaults in transformers 5.24, which
     # are these checkpoints' own except where a value is given here.
     "mistral-7b-v0.1": (

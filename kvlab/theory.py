@@ -383,13 +383,14 @@ def _attention_phase(r: Run, step: Step) -> dict:
     if r.cache == "list" and step.chunks > 1:
         terms["keys and values concatenated for attention"] = 2 * s.t * step.after
     if not s.eager:
-        copies = r.groups > 1 and (r.release.major == 4 or (step.mask and fed > 1 and r.last_window))
+        masked = bool(step.mask and fed > 1 and r.last_window)  # SDPA gets the mask (more than one query, sliding)
+        copies = r.groups > 1 and (r.release.major == 4 or masked)
         terms["repeat_kv copies of one layer (SDPA without its grouped-query path)"] = (
             2 * r.groups * s.t * step.keys if copies else 0
         )
         terms["attention output"] = s.rows * fed * s.heads * s.head_dim * s.e
         if r.device == "cpu":
-            terms.update(_cpu_flash_attention(r, step, masked=bool(step.mask and fed > 1 and r.last_window)))
+            terms.update(_cpu_flash_attention(r, step, masked))
     else:
         terms["eager attention: scores, with the sinks, shifted, and their maxima"] = _one_keys_scores(s, fed) * (
             3 * step.keys + 3
