@@ -20,16 +20,17 @@ import math
 
 import torch
 from transformers.cache_utils import (
+    DYNAMIC_LAYER_TYPE_MAPPING,
     Cache,
     CacheLayerMixin,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     StaticCache,
-    get_layer_types_and_kwargs,
 )
 
 from .compat import cache_argument
 from .meter import storage_bytes
+from .models import layer_kinds
 
 CACHES = ("tuple", "dynamic", "list", "static", "prealloc")
 
@@ -313,67 +314,93 @@ def num_layers(model) -> int:
 
 
 def sliding_windows(config) -> list[int | None]:
-    """Each layer's sliding window, None for a full-attention layer, as 5.x's `DynamicCache(config=...)` reads a
-    (model's) config: `layer_types` where it has them, else `sliding_window` for every layer (Mistral)."""
-    types, options = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    if isinstance(options, dict):  # older 5.x (5.17): one kwargs dict for every layer, not a list per layer
-        options = [options] * len(types)
-    return [kw.get("sliding_window") if "sliding" in kind else None for kind, kw in zip(types, options)]
+    """Each layer's window, None for a layer that keeps every token, as 5.x's `DynamicCache(config=...)` reads a
+    (model's) config: `layer_types` where it has them, else `sliding_window` for every layer (Mistral). A chunked
+    layer's window is its chunk: 5.x caches it as a sliding layer, only its mask differs."""
+    return [kw.get("sliding_window") if kind in WINDOWED else None for kind, kw in layer_kinds(config)]
 
 
-# The layer types kvlab's caches hold; 5.x also has chunked attention (a window that restarts), layers that cache
-# nothing (MoE/MLP-only, KV sharing) and recurrent state (linear attention, Mamba), which kvlab does not run.
-LAYER_TYPES = ("full_attention", "sliding_attention")
+# The layers kvlab's designs hold: attention that caches keys and values per token. Every other layer keeps the
+# cache 5.x's DynamicCache(config=...) gives it (chunked attention counts as sliding, as there): conv and
+# recurrent state (linear attention, Mamba, both beside attention in a hybrid layer), nothing (MoE/MLP-only and
+# KV-sharing layers), an indexed layer.
+WINDOWED = ("sliding_attention", "chunked_attention")
+ATTENTION = ("full_attention", *WINDOWED)
+# Model types whose forward refuses any cache but a class of their own (MiniMax's linear-attention state).
+OWN_CACHE = {"minimax": "MiniMaxCache"}
 
 
-def check_layers(config) -> None:
-    """Refuse, before anything is allocated, a model with a layer type kvlab's caches do not hold."""
-    text = config.get_text_config(decoder=True)
-    if getattr(text, "kv_lora_rank", None):  # 5.x passes the compressed latent to the cache, not per-head K/V
+def check_layers(config, cache: str = "dynamic") -> None:
+    """Refuse, before anything is allocated, what kvlab cannot run: a layer type 5.x has no cache for, or `tuple`
+    (<= 4.41's keys and values per layer) on a model with other layers."""
+    kinds = [kind for kind, _ in layer_kinds(config)]
+    if unknown := sorted(set(kinds) - set(DYNAMIC_LAYER_TYPE_MAPPING)):
+        raise ValueError(f"{config.model_type}: layer type(s) {', '.join(unknown)} have no cache in this transformers")
+    if own := OWN_CACHE.get(config.model_type):
         raise ValueError(
-            f"{config.model_type}: multi-head latent attention (kv_lora_rank={text.kv_lora_rank}) caches a latent that "
-            "kvlab's caches do not hold; transformers' own generate() runs it (kind reference, cache dynamic, loop v5)"
+            f"{config.model_type}: its forward takes only its own {own}, not kvlab's caches; transformers' own "
+            "generate() runs it (kind reference, cache dynamic, loop v5)"
         )
-    types, _ = get_layer_types_and_kwargs(text)
-    if other := sorted(set(types) - set(LAYER_TYPES)):
-        counts = ", ".join(f"{types.count(kind)} {kind}" for kind in other)
+    if cache == "tuple" and (other := sorted(set(kinds) - set(ATTENTION))):
+        counts = ", ".join(f"{kinds.count(kind)} {kind}" for kind in other)
         raise ValueError(
-            f"{config.model_type}: kvlab's caches hold {' and '.join(LAYER_TYPES)} layers, not {counts} of its "
-            f"{len(types)} layers; transformers' own generate() runs it (kind reference, cache dynamic, loop v5)"
+            f"{config.model_type}: the tuple cache is keys and values on every layer, and {counts} of its layers "
+            f"hold other state or none; choose one of: {', '.join(c for c in CACHES if c != 'tuple')}"
         )
 
 
-def make_cache(name: str, model, *, max_cache_len: int | None = None, chunk_limit: int = 50, block_tokens: int = 32):
-    """An empty cache of design `name` for `model`."""
+def make_cache(
+    name: str,
+    model,
+    *,
+    max_cache_len: int | None = None,
+    chunk_limit: int = 50,
+    block_tokens: int = 32,
+    windowed: bool = True,
+):
+    """An empty cache of design `name` for `model`: the design on the attention layers, 5.x's own cache on the
+    others. windowed=False: every attention layer keeps every token, as 4.x's SDPA path grew it."""
     if name not in CACHES:
         raise ValueError(f"unknown cache {name!r}; choose one of: {', '.join(CACHES)}")
-    check_layers(model.config)
+    check_layers(model.config, name)
     layers = num_layers(model)
     if name == "tuple":
         return TupleCache.from_tuples((), layers)
-    windows = sliding_windows(model.config)
-    if name == "dynamic":
-        return KVCache([SlidingCatLayer(w) if w else CatLayer() for w in windows])
-    if name == "list":
-        return KVCache([ListLayer(chunk_limit) for _ in range(layers)])
-    if name == "prealloc":
-        return KVCache([WindowLayer(w, block_tokens) if w else PreallocLayer(block_tokens) for w in windows])
-    if max_cache_len is None:
-        raise ValueError("the static cache needs max_cache_len (prompt + new tokens)")
-    return StaticCache(config=model.config, max_cache_len=max_cache_len)
+    if name == "static":
+        if max_cache_len is None:
+            raise ValueError("the static cache needs max_cache_len (prompt + new tokens)")
+        return StaticCache(config=model.config, max_cache_len=max_cache_len)
+    design = {
+        "dynamic": lambda window: SlidingCatLayer(window) if window else CatLayer(),
+        "list": lambda window: ListLayer(chunk_limit),
+        "prealloc": lambda window: WindowLayer(window, block_tokens) if window else PreallocLayer(block_tokens),
+    }[name]
+    return KVCache(
+        [
+            design(kw.get("sliding_window") if windowed and kind in WINDOWED else None)
+            if kind in ATTENTION
+            else DYNAMIC_LAYER_TYPE_MAPPING[kind](**kw)
+            for kind, kw in layer_kinds(model.config)
+        ]
+    )
 
 
 def cache_tensors(cache) -> list[torch.Tensor]:
     """Every tensor a cache (object, or tuple of pairs) holds, for labelling and sizing."""
     if isinstance(cache, (tuple, list)):
         return [tensor for layer in cache for tensor in layer]
-    return [
-        tensor
-        for layer in cache.layers
-        for tensor in (
-            layer.tensors() if hasattr(layer, "tensors") else [layer.keys, layer.values] if layer.is_initialized else []
-        )
-    ]
+    return [tensor for layer in cache.layers for tensor in layer_tensors(layer)]
+
+
+def layer_tensors(layer) -> list[torch.Tensor]:
+    """The tensors one cache layer holds: ours say so; 5.x's hold keys and values (None on a layer that caches
+    nothing), conv and recurrent state, or both."""
+    if hasattr(layer, "tensors"):
+        return layer.tensors()
+    held = [layer.keys, layer.values] if getattr(layer, "is_initialized", False) else []
+    for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
+        held += states.values()
+    return [tensor for tensor in held if tensor is not None]
 
 
 def cache_length(cache) -> int:

@@ -97,7 +97,7 @@ def format_record(r: dict) -> str:
     restart = f" + {r['restart_new']} after a restart" if r["restart_new"] else ""
     rows = [(label, r[key] / size) for key, label in TABLE if r.get(key) is not None]
     width = max(len(label) for label, _ in rows)
-    facts = [f"overhead / final KV {r['overhead_over_kv']:.3f}"]
+    facts = [f"overhead / final KV {r['overhead_over_kv']:.3f}"] if r["overhead_over_kv"] is not None else []
     if r.get("prediction_error") is not None:
         facts.append(f"theory off by {100 * r['prediction_error']:+.2f} %")
     if r.get("tokens_per_s"):

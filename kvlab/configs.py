@@ -71,13 +71,18 @@ OPTIONAL_SIZES = ("head_dim", "num_key_value_heads", "num_decoder_layers")
 DERIVED = {"head_dim": ("hidden_size", "num_attention_heads"), "layer_types": ("num_hidden_layers",)}
 
 
+def _listed(value) -> list:
+    """A size, or a size per layer (Gemma 3n's intermediate_size), as a list."""
+    return value if isinstance(value, list) and value else [value]
+
+
 def check_sizes(values: dict) -> None:
     """Refuse sizes no model can have, before the config (let alone the model) is built."""
     for key in SIZE_KEYS:
         value = values.get(key)
         if key not in values or (value is None and key in OPTIONAL_SIZES):
             continue
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if any(isinstance(v, bool) or not isinstance(v, int) or v < 1 for v in _listed(value)):
             raise ValueError(f"{key} must be a positive integer, got {value!r}")
     heads = values.get("num_attention_heads")
     kv_heads = values.get("num_key_value_heads") or heads

@@ -34,7 +34,7 @@ from transformers import (
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .caches import CACHES, CatLayer, KVCache, cache_length, cache_tensors, forward, make_cache, num_layers
+from .caches import CACHES, cache_length, cache_tensors, forward, make_cache
 from .compat import cache_from_outputs
 
 
@@ -163,10 +163,11 @@ def generate(
     kv = _start_cache(model, release, cache, tokens, new_tokens, strategy, past, cache_options)
     choose = _choice(strategy, release, tokens, new_tokens, num_beams, sampling)
     outputs = None
+    # The loop counts the tokens fed so far: a cache of recurrent layers only has no length to ask.
+    cached = 0 if past is None else cache_length(past)
     start = time.perf_counter()
     with _grad_mode(device), _forward_of(model, release, meter) as forward_options:
         for _ in range(new_tokens):
-            cached = cache_length(kv)
             # As generate() makes them: a mask of ones, and position ids per row from its cumsum, of which
             # the forward gets a view of the new positions (so rotary cos/sin have a row per sequence too).
             mask = torch.ones(tokens.shape, dtype=torch.long, device=device)
@@ -199,6 +200,7 @@ def generate(
                 # reordered copy is built while the whole old one lives.
                 kv.reorder_cache(choose.beam_idx)
             del mask, positions
+            cached = tokens.shape[1]
             tokens = torch.cat([tokens, choose.next_tokens[:, None]], dim=-1)
             if meter is not None:
                 _end_step(meter, kv, outputs)
@@ -234,8 +236,8 @@ def _start_cache(
         return past
     if cache == "dynamic" and release.major == 4:
         # 4.40.1's SDPA and eager attention masked a sliding window but grew the cache in full (only its
-        # FlashAttention-2 path sliced it): CatLayer everywhere. v5's make_cache gives sliding layers their form.
-        return KVCache([CatLayer() for _ in range(num_layers(model))])
+        # FlashAttention-2 path sliced it): a CatLayer on every attention layer. v5 gives sliding layers their form.
+        return make_cache("dynamic", model, windowed=False)
     # As generate() sizes it: the last new token is never fed back, so it never enters the cache.
     return make_cache(cache, model, **{"max_cache_len": tokens.shape[1] + new_tokens - 1, **(cache_options or {})})
 

@@ -10,6 +10,8 @@ name 5.x's config classes.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
 from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
@@ -139,14 +141,59 @@ def head_dim(config) -> int:
 
 
 def kv_heads(config) -> int:
-    """Heads of keys and values: grouped (num_key_value_heads) or, where a config has no such field (GPT-2, OPT),
-    one per query head."""
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    """Heads of keys and values a layer caches: grouped (num_key_value_heads) where the model type has that field,
+    else one per query head (GPT-2, GPT-J, OPT: a stray num_key_value_heads in their config.json is not read);
+    Falcon's own rule (its attention: multi-query caches one head, its new decoder architecture one per query)."""
+    if getattr(config, "model_type", None) == "falcon":
+        if config.new_decoder_architecture:
+            return config.num_attention_heads
+        return 1 if config.multi_query else config.num_kv_heads
+    if hasattr(config, "num_key_value_heads") and _has_field(type(config), "num_key_value_heads"):
+        return config.num_key_value_heads or config.num_attention_heads
+    return config.num_attention_heads
+
+
+@functools.cache
+def _has_field(config_class, name: str) -> bool:
+    """Whether a config class itself defines `name` (not just a value passed to it)."""
+    return not hasattr(config_class, "model_type") or hasattr(config_class(), name)
+
+
+def layer_kinds(config) -> list[tuple[str, dict]]:
+    """Each decoder layer's cache type and its keywords (a window, a number of states), as 5.x's
+    `DynamicCache(config=...)` reads a (model's) config."""
+    from transformers.cache_utils import get_layer_types_and_kwargs  # 5.x only: the 4.x workers never call this
+
+    kinds, options = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
+    if isinstance(options, dict):  # older 5.x (5.17): one kwargs dict for every layer, not a list per layer
+        options = [options] * len(kinds)
+    return list(zip(kinds, options))
+
+
+# Layers that add nothing per token: recurrent state (linear attention, Mamba, conv) and no cache at all
+# (MoE/MLP-only layers, layers that read another layer's keys and values).
+PER_TOKEN_FREE = ("linear_attention", "conv", "dummy", "moe", "mlp")  # moe, mlp: 5.17's names
 
 
 def kv_bytes_per_token(config, batch: int, dtype: str) -> int:
-    """Bytes one token adds to the KV cache of the whole model (keys and values, every layer)."""
-    return 2 * config.num_hidden_layers * batch * kv_heads(config) * head_dim(config) * element_size(dtype)
+    """Bytes one token adds to the KV cache of the whole model: keys and values of every layer that caches them
+    per token, or, with multi-head latent attention, the latent and the rotary key that 5.x caches instead."""
+    if not hasattr(config, "get_text_config"):  # a bare shape (kvlab.encdec's decoder): every layer caches
+        width = config.num_hidden_layers * _token_width(config)
+    else:
+        text = config.get_text_config(decoder=True)
+        # Gemma 4: a layer's own config where its head size or heads differ from the others'
+        layers = getattr(text, "per_layer_config", None) or [text] * text.num_hidden_layers
+        kinds = [kind for kind, _ in layer_kinds(config)]
+        width = sum(_token_width(layer) for kind, layer in zip(kinds, layers) if kind not in PER_TOKEN_FREE)
+    return batch * width * element_size(dtype)
+
+
+def _token_width(layer) -> int:
+    """Elements one token adds to one layer's cache."""
+    if latent := getattr(layer, "kv_lora_rank", None):  # multi-head latent attention: one "head" each
+        return latent + layer.qk_rope_head_dim
+    return 2 * kv_heads(layer) * head_dim(layer)
 
 
 def final_kv_bytes(config, sequences: int, tokens: int, dtype: str) -> int:

@@ -105,3 +105,8 @@ def is_true(value) -> bool:
 def beams(p: dict) -> int:
     """Sequences decoded per prompt: num_beams for beam search, one otherwise."""
     return p["num_beams"] if p["strategy"] == "beam" else 1
+
+
+def over_kv(overhead: int, kv_final: int) -> float | None:
+    """overhead / final KV; None for a model that caches nothing per token (recurrent layers only)."""
+    return round(overhead / kv_final, 4) if kv_final else None

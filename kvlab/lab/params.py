@@ -81,7 +81,7 @@ def normalize(**params) -> dict:
             "notebook 06 serves them (kvlab.encdec)"
         )
     if p["kind"] == "kvlab":
-        check_layers(config)
+        check_layers(config, p["cache"])
     if p["track_storages"] == "auto":
         p["track_storages"] = torch.device(p["device"]).type != "cuda"
     p["track_storages"] = is_true(p["track_storages"])

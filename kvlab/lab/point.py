@@ -16,7 +16,7 @@ from ..configs import load_config
 from ..loops import Sampling, generate
 from ..meter import MemoryMeter
 from ..models import build_model, final_kv_bytes, random_prompt
-from ..schema import RECORD_FIELDS, RECORD_PARAMETERS, REFERENCES, beams
+from ..schema import RECORD_FIELDS, RECORD_PARAMETERS, REFERENCES, beams, over_kv
 from .params import normalize
 from .predict import check_fits
 from .provenance import provenance
@@ -113,7 +113,7 @@ def _record(p: dict, config, measured: dict, seconds: float | None, origin: dict
         measured,
         **origin,
         kv_final_bytes=kv_final,
-        overhead_over_kv=round(overhead / kv_final, 4),
+        overhead_over_kv=over_kv(overhead, kv_final),
         predicted_overhead_bytes=predicted,
         prediction_error=round(overhead / predicted - 1, 4) if predicted else None,
         seconds=round(seconds, 4) if seconds else None,

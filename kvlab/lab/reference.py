@@ -17,7 +17,7 @@ import subprocess
 import sys
 
 from ..releases import INSTALLED, RELEASES, ROOT, install_reference, release_values
-from ..schema import DEFAULTS, beams
+from ..schema import DEFAULTS, beams, over_kv
 
 STRATEGIES = ("greedy", "beam")
 # A reference point's parameters: these of the point's (kvlab.schema.DEFAULTS), and the cache_implementation.
@@ -135,7 +135,7 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
     if result.returncode != 0:
         raise RuntimeError(f"transformers {version} run failed:\n{result.stderr[-3000:]}")
     return [
-        dict(record, overhead_over_kv=round(record["overhead_bytes"] / record["kv_final_bytes"], 4))
+        dict(record, overhead_over_kv=over_kv(record["overhead_bytes"], record["kv_final_bytes"]))
         for record in json.loads(result.stdout.strip().splitlines()[-1])
     ]
 
