@@ -127,7 +127,13 @@ def cmd_measure(args) -> None:
 def cmd_predict(args) -> None:
     from .lab.predict import predict
 
-    result = predict(**_point_params(args), memory=args.memory, max_batch=args.max_batch, max_new=args.max_new)
+    result = predict(
+        **_point_params(args),
+        memory=args.memory,
+        max_batch=args.max_batch,
+        max_new=args.max_new,
+        dry_run=args.dry_run,
+    )
     print(json.dumps(result, indent=2) if args.json else result)
 
 
@@ -334,6 +340,12 @@ def _predict_arguments(predict: argparse.ArgumentParser) -> None:
         "--max-new",
         action="store_true",
         help="with --memory: the most new tokens each design fits (up to the model's context)",
+    )
+    predict.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="count a dry run of kvlab's loop on the meta device instead of kvlab.theory's walk (exact, slower); "
+        "model types the theory does not walk get it anyway",
     )
     predict.add_argument("--json", action="store_true", help="print the prediction, term by term, as JSON (bytes)")
 

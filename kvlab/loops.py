@@ -34,8 +34,9 @@ from transformers import (
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .caches import CACHES, cache_length, cache_tensors, forward, make_cache
+from .caches import CACHES, advance, cache_length, cache_tensors, forward, make_cache
 from .compat import cache_from_outputs
+from .meter import MetaAsCpu
 
 
 @dataclass(frozen=True)
@@ -139,6 +140,7 @@ def generate(
     past=None,
     meter=None,
     cache_options: dict | None = None,
+    steps=None,
 ) -> Generation:
     """Decode `new_tokens` tokens after `input_ids` as release `loop` did; continue from `past` if given.
 
@@ -155,9 +157,13 @@ def generate(
     meter: a `kvlab.meter.MemoryMeter` already entered, or None: it is told where each step ends and which
         tensors are cache and logits, so it can draw the timeline and split the peak.
     cache_options: keywords for `make_cache` (chunk_limit, block_tokens, max_cache_len) when the loop starts a cache.
+    steps: on meta, the steps to decode with a forward (`peak_steps`); between two of them the cache and the tokens
+        grow as the skipped steps would grow them, without a forward. None: every step.
     """
     _check(cache, loop, strategy, new_tokens)
     release, device, tokens = LOOPS[loop], input_ids.device, input_ids
+    if steps is not None and (device.type != "meta" or {0, new_tokens - 1} - set(steps)):
+        raise ValueError("steps: on the meta device only, with the first and the last step among them")
     if strategy == "beam" and past is None:
         tokens = tokens.repeat_interleave(num_beams, dim=0)  # as generate() does, before the prompt
     kv = _start_cache(model, release, cache, tokens, new_tokens, strategy, past, cache_options)
@@ -165,9 +171,17 @@ def generate(
     outputs = None
     # The loop counts the tokens fed so far: a cache of recurrent layers only has no length to ask.
     cached = 0 if past is None else cache_length(past)
+    skipped = 0
     start = time.perf_counter()
     with _grad_mode(device), _forward_of(model, release, meter) as forward_options:
-        for _ in range(new_tokens):
+        for step in range(new_tokens):
+            if steps is not None and step not in steps:
+                skipped += 1
+                continue
+            if skipped:  # as the skipped steps left them: one token more per step in the cache and the tokens
+                _skip(kv, outputs, skipped)
+                tokens = torch.cat([tokens, choose.next_tokens[:, None].expand(-1, skipped)], dim=-1)
+                cached, skipped = tokens.shape[1] - 1, 0
             # As generate() makes them: a mask of ones, and position ids per row from its cumsum, of which
             # the forward gets a view of the new positions (so rotary cos/sin have a row per sequence too).
             mask = torch.ones(tokens.shape, dtype=torch.long, device=device)
@@ -178,7 +192,7 @@ def generate(
                 input_ids=tokens[:, cached:],
                 position_ids=positions[:, cached:],
                 use_cache=True,
-                attention_mask=None if device.type == "meta" else mask,  # meta: no values to inspect
+                attention_mask=mask,  # on meta too: MetaAsCpu answers what transformers asks of its values
                 **forward_options,
             )
             if release.keeps_previous_outputs:
@@ -209,13 +223,43 @@ def generate(
     return Generation(tokens, kv, time.perf_counter() - start)
 
 
+def _skip(kv, outputs, tokens: int) -> None:
+    """Grow the cache by the tokens of skipped steps (meta only). v4.40's kept `outputs` hold the cache object the
+    last forward returned; for `tuple` it is another object: sharing the loop's tensors (its layers are repointed
+    at the grown ones) or, after a beam reorder, holding the un-reordered copy (grown too)."""
+    returned = cache_from_outputs(outputs) if outputs is not None else kv
+    shared = returned is kv or cache_tensors(returned)[0] is cache_tensors(kv)[0]
+    advance(kv, tokens)
+    if returned is kv:
+        return
+    if not shared:
+        advance(returned, tokens)
+        return
+    for theirs, ours in zip(returned.layers, kv.layers):
+        theirs.keys, theirs.values = ours.keys, ours.values
+
+
+def peak_steps(cache: str, new_tokens: int, block_tokens: int = 32, chunk_limit: int = 50) -> frozenset[int]:
+    """The steps whose forward can hold a run's peak: the prompt's (0), the first decode step (where what the
+    prompt's step left still lives) and the last; for `prealloc` also the `block_tokens` steps before the last, and
+    for `list` the `chunk_limit` ones. Why (tested against full runs' timelines in tests/test_dry_run.py): from
+    step 2 on each step holds what the one before held with a token more in every growing tensor, so a later
+    step holds at least as much; except where a design reallocates only every few steps (prealloc's buffers and
+    window moves every `block_tokens`, list's consolidation every `chunk_limit - 1`), and the last such step
+    holds at least as much as any earlier one."""
+    period = {"prealloc": block_tokens, "list": chunk_limit}.get(cache, 1)
+    last = new_tokens - 1
+    return frozenset(step for step in (0, 1, *range(last - period + 1, last + 1)) if 0 <= step <= last)
+
+
+@contextlib.contextmanager
 def _grad_mode(device: torch.device):
     """no_grad, as generate() runs, so that a dispatch mode sees SDPA's own operators (the float copy of a bool mask,
     the CPU flash kernel's outputs; the meter adds the kernel's scratch from their shapes). Under an outer
-    inference_mode SDPA is one operator again. On meta, which has no SDPA kernel of its own, PyTorch would decompose
-    SDPA into its math path, whose whole scores no real device's fused kernel allocates: inference_mode keeps it one
-    op there."""
-    return torch.inference_mode() if device.type == "meta" else torch.no_grad()
+    inference_mode SDPA is one operator again. On meta, which has no SDPA kernel of its own (PyTorch would
+    decompose it into its math path), `MetaAsCpu` runs it as the CPU does."""
+    with torch.no_grad(), MetaAsCpu() if device.type == "meta" else contextlib.nullcontext():
+        yield
 
 
 def _check(cache: str, loop: str, strategy: str, new_tokens: int) -> None:

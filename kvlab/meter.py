@@ -17,7 +17,8 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 CATEGORIES = ("weights", "kv", "logits", "other")
@@ -112,7 +113,7 @@ class LiveStorageCounter(TorchDispatchMode):
             self.live[key] = (next(self._serials), nbytes)
             weakref.finalize(storage, self._free, key)
             self._add(nbytes)
-        if func is CPU_FLASH and args[0].device.type == "cpu":
+        if func is CPU_FLASH:  # on CPU, or on meta standing in for it (CpuAttentionOnMeta)
             query, value = args[0], args[2]
             reduced = query.dtype in (torch.bfloat16, torch.float16)
             self._spike(flash_scratch_bytes(query.shape[-2], value.shape[-2], value.shape[-1], reduced))
@@ -286,6 +287,59 @@ class MemoryMeter(Meter):
             at_peak,
             storages_peak,
         )
+
+
+class MetaAsCpu(TorchFunctionMode):
+    """A forward on the meta device (shapes, no data) that allocates what the same forward allocates on a CPU:
+    - SDPA as the CPU runs it: its flash kernel's op (which has a meta form) on the float copy of a bool mask, or,
+      where the CPU takes the math path (head sizes that differ), that path's own ops (PyTorch decomposes SDPA
+      into them on meta, whatever the shapes);
+    - a yes-or-no question asked of a meta tensor's values (`bool(...)` of a bool: is the attention mask all ones,
+      are the positions one packed sequence?) gets the answer for what kvlab's loop passes (a mask of ones,
+      positions 0..n-1): yes. transformers asks them to choose the masks it builds; no other code kvlab runs on
+      meta reads a value (tests/test_dry_run.py holds meta against CPU runs);
+    - the experts' grouped matrix product in fp32, which the CPU runs and whose meta form takes bf16 only: its
+      output, shaped by the meta form on bf16 stand-ins that no meter sees.
+    """
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.__bool__, torch.Tensor.item) and _meta_bool(args[0]):
+            return True
+        if func is torch._grouped_mm and args[0].device.type == "meta" and args[0].dtype != torch.bfloat16:
+            with _disable_current_modes():  # the stand-ins are not the CPU's
+                shape = func(*(a.to(torch.bfloat16) for a in args[:2]), *args[2:], **kwargs).shape
+            return torch.empty(shape, dtype=args[0].dtype, device="meta")
+        if func is not torch.nn.functional.scaled_dot_product_attention or args[0].device.type != "meta":
+            return func(*args, **kwargs)
+        query, key, value = args[:3]
+        if not _cpu_takes_flash(query, key, value):  # decomposed into the math path, as on CPU
+            return func(*args, **kwargs)
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        if mask is not None and mask.dtype == torch.bool:  # ATen's convert_boolean_attn_mask: where(mask, 0, -inf)
+            zero = torch.scalar_tensor(0.0, dtype=query.dtype, device=query.device)
+            mask = torch.where(mask, zero, torch.scalar_tensor(float("-inf"), dtype=query.dtype, device=query.device))
+        return CPU_FLASH(
+            query,
+            key,
+            value,
+            kwargs.get("dropout_p", 0.0),
+            kwargs.get("is_causal", False),
+            attn_mask=mask,
+            scale=kwargs.get("scale"),
+        )[0]
+
+
+def _meta_bool(tensor) -> bool:
+    """A yes-or-no question asked of a meta tensor (a number's value is not answered: reading it still fails)."""
+    return tensor.device.type == "meta" and tensor.dtype == torch.bool and tensor.numel() == 1
+
+
+def _cpu_takes_flash(query, key, value) -> bool:
+    """Whether the CPU's SDPA picks its flash kernel (ATen's use_flash_attention_cpp, for what kvlab's models pass):
+    one head size for queries, keys and values, and a floating dtype it has."""
+    sizes = {query.shape[-1], key.shape[-1], value.shape[-1]}
+    return len(sizes) == 1 and query.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 
 
 def storage_bytes(tensors) -> int:

@@ -1,7 +1,7 @@
-"""Decoders beyond the presets' families, each a tiny config keeping its layout: kvlab's dynamic/v5 measures what
-transformers' own generate() of the installed release holds (greedy and beam, within 1 %), or kvlab refuses the
-model in one line before allocating; no traceback. predict answers for the families kvlab.theory walks through
-and refuses the others in one line (tests/test_predict.py)."""
+"""Decoders beyond the presets' families, each a tiny config keeping its layout (chunked, latent, linear and
+recurrent, hybrid, KV-sharing, per-layer head sizes): kvlab's dynamic/v5 measures what transformers' own
+generate() of the installed release holds and predict says so before allocating (greedy and beam, within 1 %), or
+kvlab refuses the model in one line before allocating; no traceback."""
 
 import pytest
 import torch
@@ -10,6 +10,7 @@ from transformers import AutoConfig
 from kvlab.caches import ATTENTION, CACHES
 from kvlab.compat import cache_from_outputs
 from kvlab.lab.point import run_point
+from kvlab.lab.predict import predict
 from kvlab.lab.reference import measure_references
 from kvlab.loops import LOOPS, generate
 from kvlab.models import assert_varied, build_model, final_kv_bytes, layer_kinds, random_prompt
@@ -174,6 +175,9 @@ def test_kvlab_measures_what_transformers_generate_holds(folders, strategy):
         model = build_model(folder)
         ours = run_point(model, preset=folder, strategy=strategy, timing=False, **POINT)
         assert ours["overhead_bytes"] == pytest.approx(reference["overhead_bytes"], rel=0.01), model_type
+        # ...and predict, before anything is allocated (kvlab.theory, or a dry run on meta for the other types)
+        (row,) = predict(folder, cache="dynamic", loop="v5", strategy=strategy, **POINT)["designs"]
+        assert row["predicted_overhead_bytes"] == pytest.approx(reference["overhead_bytes"], rel=0.01), model_type
         # The same seeded prompt as both runs: the same tokens (beam search: the best beam, every row's first)
         prompt = random_prompt(model.config.vocab_size, POINT["batch"], POINT["prompt"], DEFAULTS["seed"])
         out = generate(model, prompt, POINT["new"], strategy=strategy, num_beams=reference["num_beams"])

@@ -73,14 +73,17 @@ def test_prediction_matches_the_h200_measurement_of_transformers_4_40():
     assert overhead / GIB == pytest.approx(6.248, rel=0.03)
 
 
-def test_a_model_type_theory_does_not_model_is_refused(tmp_path, capsys):
+def test_a_model_type_theory_does_not_model_gets_a_dry_run(tmp_path, capsys):
+    """The CLI answers for GPT-2 by a dry run on meta (tests/test_dry_run.py holds it against CPU runs)."""
     from transformers import GPT2Config
 
-    GPT2Config().to_json_file(tmp_path / "config.json")
-    with pytest.raises(SystemExit) as exit_info:
-        main(["predict", "--preset", str(tmp_path)])
-    assert exit_info.value.code == 2
-    assert "model_type 'gpt2' is not modelled" in capsys.readouterr().err
+    GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512).to_json_file(tmp_path / "config.json")
+    point = ["--batch", "1", "--prompt", "16", "--new", "4", "--cache", "dynamic", "--loop", "v5"]
+    main(["predict", "--preset", str(tmp_path), *point])
+    table = capsys.readouterr().out
+    assert "gpt2, 2 layers" in table and "(dry run on meta)" in table
+    record, _ = measure(preset=str(tmp_path), batch=1, prompt=16, new=4, timing=False)
+    assert f"{(record['peak_bytes']) / GIB:.3f}" in table
 
 
 @pytest.mark.parametrize("model_type", ["gpt2", "opt"])

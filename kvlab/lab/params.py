@@ -71,6 +71,11 @@ def normalize(**params) -> dict:
             raise ValueError(f"{key} must be {'a positive integer' if least else 'zero or positive'}, got {p[key]}")
     p["device"] = resolve_device(p["device"])
     check_device(p["device"])
+    if p["device"] == "meta" and p["cache"] == "static" and (p["strategy"] == "beam" or p["restart_new"]):
+        raise ValueError(
+            "on meta the static cache decodes greedy or sampled in one call: its beam reorder and a restart read "
+            "its length's value, which meta tensors do not have; choose one of: cpu, cuda"
+        )
     parse_dtype(p["dtype"])
     if isinstance(p["overrides"], (list, tuple, dict)):
         p["overrides"] = ",".join(f"{k}={v}" for k, v in parse_overrides(p["overrides"]).items())

@@ -13,7 +13,7 @@ import torch
 from .. import theory
 from ..caches import KVCache, num_layers
 from ..configs import load_config
-from ..loops import Sampling, generate
+from ..loops import Sampling, generate, peak_steps
 from ..meter import MemoryMeter
 from ..models import build_model, final_kv_bytes, random_prompt
 from ..schema import RECORD_FIELDS, RECORD_PARAMETERS, REFERENCES, beams, over_kv
@@ -126,13 +126,21 @@ def _record(p: dict, config, measured: dict, seconds: float | None, origin: dict
     )
 
 
+def _steps(p, prompt, new: int):
+    """On meta, where only shapes are computed, the steps that can hold the peak (kvlab.loops.peak_steps): the same
+    count as decoding every step, in a few forwards. Elsewhere every step."""
+    if prompt.device.type != "meta":
+        return None
+    return peak_steps(p["cache"], new, p["block_tokens"], p["chunk_limit"])
+
+
 def _decode(model, prompt, p, options, meter, graphs=None) -> float:
     """One run of the point (a restart included); returns the seconds spent decoding."""
     if p["runtime"] != "eager":
         from ..graphs import generate_graph
 
         return generate_graph(model, prompt, p["new"], p["runtime"], graphs, meter=meter).seconds
-    first = generate(model, prompt, p["new"], meter=meter, **options)
+    first = generate(model, prompt, p["new"], meter=meter, steps=_steps(p, prompt, p["new"]), **options)
     seconds = first.seconds
     if p["restart_new"]:
         # The caller still holds `first` (and so its cache) while the second call runs.
@@ -140,7 +148,8 @@ def _decode(model, prompt, p, options, meter, graphs=None) -> float:
         if p["restart_from"] == "tuples":  # 4.42: to_legacy_cache, then from_legacy_cache (neither copies)
             first.cache = past.to_tuples()
             past = KVCache.from_tuples(first.cache, num_layers(model))
-        second = generate(model, first.tokens, p["restart_new"], past=past, meter=meter, **options)
+        steps = _steps(p, prompt, p["restart_new"])
+        second = generate(model, first.tokens, p["restart_new"], past=past, meter=meter, steps=steps, **options)
         seconds += second.seconds
         del second, past
     del first

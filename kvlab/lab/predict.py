@@ -13,10 +13,12 @@ import re
 import torch
 
 from .. import theory
-from ..configs import DECODERS, is_hub_id, load_config
-from ..meter import weight_bytes
-from ..models import instantiate, parse_dtype
-from ..schema import DESIGNS, beams
+from ..caches import check_layers, held_tokens
+from ..configs import is_hub_id, load_config
+from ..loops import generate, peak_steps
+from ..meter import MemoryMeter, weight_bytes
+from ..models import build_model, final_kv_bytes, instantiate, parse_dtype
+from ..schema import DESIGNS, beams, over_kv
 from .params import normalize
 
 GIB = 2**30
@@ -64,7 +66,8 @@ def format_bytes(n: int) -> str:
 
 @functools.lru_cache(maxsize=32)
 def _weights(config_class: type, config_json: str, dtype: str) -> int:
-    config = config_class.from_dict(json.loads(config_json))
+    values = json.loads(config_json)  # an infinite float comes back as {"__float__": "Infinity"} (Mamba-2)
+    config = config_class.from_dict(getattr(config_class, "_decode_special_floats", lambda v: v)(values))
     with torch.device("meta"):  # shapes only: a 7B model costs nothing to build here
         return weight_bytes(instantiate(config, parse_dtype(dtype)))
 
@@ -99,11 +102,11 @@ def largest_new(fits, limit: int) -> int:
     return bisect.bisect_left(range(1, limit), True, key=lambda n: not fits(n))
 
 
-def largest_batch(config, design: dict, room: int) -> int:
-    """The largest batch whose predicted overhead fits in `room` bytes: the batch-1 overhead divides the room (a
-    term that is not per sequence, like the flash scratch, makes that a slight underestimate), then the walk
-    checks the batches next to it."""
-    overhead = lambda batch: theory.predict_overhead(config, **dict(design, batch=batch))  # noqa: E731
+def largest_batch(predict_overhead, design: dict, room: int) -> int:
+    """The largest batch whose predicted overhead (`predict_overhead(design)`) fits in `room` bytes: the batch-1
+    overhead divides the room (a term that is not per sequence, like the flash scratch, makes that a slight
+    underestimate), then the batches next to it are checked."""
+    overhead = lambda batch: predict_overhead(dict(design, batch=batch))  # noqa: E731
     batch = max(0, room // overhead(1))
     while batch and overhead(batch) > room:
         batch -= 1
@@ -118,6 +121,7 @@ def predict(
     memory=None,
     max_batch: bool = False,
     max_new: bool = False,
+    dry_run: bool = False,
     cache: str | None = None,
     loop: str | None = None,
     **point,
@@ -130,12 +134,15 @@ def predict(
     for that memory: the largest batch (`max_batch`: nearly every byte theory counts is per sequence, so the
     overhead is about the batch times that of batch 1, then checked at that batch and the next; CPU flash
     attention's scratch is per thread) and the longest generation (`max_new`, up to the model's context).
+
+    The model types kvlab.theory models are walked term by term; every other decoder kvlab runs, or any with
+    `dry_run`, gets a dry run on the meta device (`DryRun`): exact, slower (seconds per design).
     """
     if (max_batch or max_new) and memory is None:
         raise ValueError("--max-batch and --max-new answer for a memory size: give --memory too")
     memory = None if memory is None else parse_bytes(memory)
     p = normalize(preset=preset, cache=cache, loop=loop, **point)
-    return _predict(p, designs_for(cache, loop, p), memory, max_batch, max_new)
+    return _predict(p, designs_for(cache, loop, p), memory, max_batch, max_new, dry_run)
 
 
 def designs_for(cache: str | None, loop: str | None, p: dict) -> list[tuple[str, str]]:
@@ -144,26 +151,29 @@ def designs_for(cache: str | None, loop: str | None, p: dict) -> list[tuple[str,
     return designs if designs and not (cache and loop) else [(p["cache"], p["loop"])]
 
 
-def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: bool) -> Prediction:
+def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: bool, dry_run: bool) -> Prediction:
     config = load_config(p["preset"], p["overrides"])
-    if config.model_type not in theory.MODELED:
-        raise ValueError(
-            f"{p['preset']}: model_type {config.model_type!r} is not modelled by kvlab.theory, which "
-            f"models {', '.join(theory.MODELED)} decoders; choose one of: {', '.join(DECODERS)}, or such a config"
-        )
+    walk = Theory(config) if config.model_type in theory.MODELED and not dry_run else DryRun(p)
     weights = model_weight_bytes(config, p["dtype"])
-    rows = []
+    rows, refused = [], {}
     for cache, loop in designs:
-        row = dict(cache=cache, loop=loop, **theory.breakdown(config, **point_of(p, cache=cache, loop=loop)))
+        try:
+            check_layers(config, cache)
+        except ValueError as why:  # a design this model cannot hold: named under the table, unless it was asked for
+            if len(designs) == 1:
+                raise
+            refused[f"{cache}/{loop}"] = str(why)
+            continue
+        design = point_of(p, cache=cache, loop=loop)
+        row = dict(cache=cache, loop=loop, **walk.breakdown(design))
         row["peak_bytes"] = weights + row["predicted_overhead_bytes"]
         if memory is not None:
             row["fits"] = row["peak_bytes"] <= memory
         if max_batch:
-            row["max_batch"] = largest_batch(config, point_of(p, cache=cache, loop=loop), memory - weights)
+            row["max_batch"] = largest_batch(walk.overhead, design, memory - weights)
         if max_new:
             limit = config.max_position_embeddings - p["prompt"] - p["restart_new"]  # the positions left
-            design = point_of(p, cache=cache, loop=loop)
-            fits = lambda n, design=design: weights + theory.predict_overhead(config, **dict(design, new=n)) <= memory
+            fits = lambda n, design=design: weights + walk.overhead(dict(design, new=n)) <= memory
             row["max_new"] = largest_new(fits, limit) if limit > 0 else 0  # a prompt past the context: none
             row["max_new_is_context"] = row["max_new"] == max(limit, 0)
         rows.append(row)
@@ -183,8 +193,78 @@ def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: boo
     }
     # num_beams as in a measured record: 1 unless the point searches beams.
     return Prediction(
-        **sizes, num_beams=beams(p), model=model, weights_bytes=weights, memory_bytes=memory, designs=rows
+        **sizes,
+        num_beams=beams(p),
+        model=model,
+        weights_bytes=weights,
+        memory_bytes=memory,
+        designs=rows,
+        refused=refused,
     )
+
+
+class Theory:
+    """kvlab.theory's walk, term by term, for the model types it models."""
+
+    def __init__(self, config):
+        self.config = config
+
+    def overhead(self, design: dict) -> int:
+        return theory.predict_overhead(self.config, **design)
+
+    def breakdown(self, design: dict) -> dict:
+        return theory.breakdown(self.config, **design)
+
+
+class DryRun:
+    """Every other decoder kvlab runs: its own loop on the meta device, where tensors have shapes and no data, with
+    SDPA and the masks as a CPU makes them (kvlab.meter.MetaAsCpu), the forward run only at the steps that can hold
+    the peak (kvlab.loops.peak_steps): the count a CPU run gives, in a few forwards (tests/test_dry_run.py)."""
+
+    def __init__(self, p: dict):
+        if p["restart_new"]:
+            raise ValueError(
+                "predict's dry run decodes one call; measure a restart on the meta device (measure --device meta)"
+            )
+        self.p = p
+        self.model = build_model(p["preset"], p["overrides"], "meta", p["dtype"], p["seed"])
+
+    def overhead(self, design: dict) -> int:
+        return self.run(design)[0].overhead_bytes
+
+    def breakdown(self, design: dict) -> dict:
+        report, cache = self.run(design)
+        config, d = self.model.config, design
+        kv_final = final_kv_bytes(config, d["batch"] * beams(dict(self.p, **d)), d["prompt"] + d["new"], d["dtype"])
+        peak_step = max(report.timeline, key=lambda s: s.peak_bytes).step
+        return {
+            "predicted_overhead_bytes": report.overhead_bytes,
+            "kv_final_bytes": kv_final,
+            "cache_tokens_per_layer": theory.tokens_per_layer(held_tokens(cache)),
+            "overhead_over_kv": over_kv(report.overhead_bytes, kv_final),
+            "peak_at": f"step {peak_step} (dry run on meta)",
+            "terms_bytes": {f"{part} at the peak": n for part, n in report.at_peak.items() if n and part != "weights"},
+        }
+
+    def run(self, design: dict):
+        """The meta run of one design: (the meter's report, the cache it ends with)."""
+        d = design
+        prompt = torch.empty((d["batch"], d["prompt"]), dtype=torch.long, device="meta")
+        options = dict(block_tokens=d["block_tokens"], chunk_limit=d["chunk_limit"])
+        with MemoryMeter("meta", self.model) as meter:
+            out = generate(
+                self.model,
+                prompt,
+                d["new"],
+                cache=d["cache"],
+                loop=d["loop"],
+                strategy=d["strategy"],
+                num_beams=d["num_beams"],
+                meter=meter,
+                steps=peak_steps(d["cache"], d["new"], **options),
+                cache_options=dict(options, max_cache_len=d["prompt"] + d["new"] - 1),
+            )
+        return meter.report(), out.cache
 
 
 def format_prediction(result: dict) -> str:
@@ -218,7 +298,7 @@ def format_prediction(result: dict) -> str:
                 f"{d['cache']}/{d['loop']}",
                 gib(d["peak_bytes"]),
                 gib(d["predicted_overhead_bytes"]),
-                f"{d['overhead_over_kv']:.3f}",
+                f"{d['overhead_over_kv']:.3f}" if d["overhead_over_kv"] is not None else "-",
                 gib(d["kv_final_bytes"]),
                 *(["yes" if d["fits"] else "NO"] if fits else []),
                 *answers,
@@ -243,9 +323,10 @@ def format_prediction(result: dict) -> str:
                 for row in table
             ),
             "",
-            "peak = weights + overhead (kvlab.theory, live bytes above the weights); KV = prompt + new tokens in every "
-            "layer; cache at the end = what each layer's storage holds (5.x sliding layers stop at the window, "
-            "prealloc's at a buffer of window - 1 + block_tokens slots)",
+            "peak = weights + overhead (kvlab.theory, or a dry run on meta; live bytes above the weights); "
+            "KV = prompt + new tokens in every layer that caches them; cache at the end = what each layer's "
+            "storage holds (5.x sliding layers stop at the window, prealloc's at a buffer of window - 1 + "
+            "block_tokens slots)",
             *(
                 [
                     f"max batch / max new: the largest batch (at {r['new']} new) and the longest generation (at batch "
@@ -254,13 +335,15 @@ def format_prediction(result: dict) -> str:
                 if inverse
                 else []
             ),
+            *(f"{design}: {why}" for design, why in r.get("refused", {}).items()),
         ]
     )
 
 
 def check_fits(p: dict, model=None) -> None:
     """Raise TooBig when a normalized point's predicted peak exceeds the free memory of its device. With `model`
-    given its weights are resident: only the overhead has to fit. A point that cannot be predicted passes."""
+    given its weights are resident: only the overhead has to fit. A point that cannot be predicted passes, and so
+    does a model type kvlab.theory does not walk (its dry run would cost a few forwards before every point)."""
     free = free_bytes(p["device"])
     if free is None:
         return

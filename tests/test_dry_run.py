@@ -1,0 +1,132 @@
+"""The dry run: kvlab's loop on the meta device with CPU's SDPA and masks (kvlab.meter.MetaAsCpu), the forward run
+only at the steps that can hold the peak (kvlab.loops.peak_steps). Two claims, each against full CPU runs: the
+skipped steps never hold the peak (their timelines), and the meta count is the CPU's (within 8 bytes: a 0-dim
+scalar or two)."""
+
+import itertools
+
+import pytest
+import torch
+from transformers import AutoConfig
+
+from kvlab.lab.point import run_point
+from kvlab.lab.predict import predict
+from kvlab.loops import generate, peak_steps
+from kvlab.meter import MemoryMeter
+from kvlab.models import build_model, random_prompt
+
+SIZES = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+CONFIGS = {  # a window shorter than the run, latent attention, linear attention beside full, KV sharing
+    "mistral": dict(sliding_window=12, intermediate_size=96),
+    "deepseek_v3": dict(
+        num_key_value_heads=4,
+        kv_lora_rank=32,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        intermediate_size=96,
+    ),
+    "qwen3_next": dict(
+        layer_types=["linear_attention", "full_attention"],
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        intermediate_size=96,
+    ),
+    "gemma3n_text": dict(
+        num_hidden_layers=4,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        num_kv_shared_layers=2,
+        vocab_size_per_layer_input=256,
+        hidden_size_per_layer_input=8,
+        sliding_window=12,
+        head_dim=16,
+        intermediate_size=96,
+        activation_sparsity_pattern=[0.0] * 4,
+    ),
+}
+# Short reallocation periods, so that a run of 30 steps has several of each (prealloc's blocks and window moves,
+# list's consolidations).
+POINT = dict(batch=2, prompt=20, new=30, block_tokens=8, chunk_limit=5)
+DESIGNS = [("tuple", "v4.40"), ("dynamic", "v4.40"), ("dynamic", "v5"), ("list", "v5"), ("static", "v5")]
+DESIGNS += [("prealloc", "v5"), ("tuple", "v4.42"), ("list", "v4.42")]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dry_run")
+    for model_type, extra in CONFIGS.items():
+        (root / model_type).mkdir()
+        AutoConfig.for_model(model_type, **{**SIZES, **extra}).to_json_file(root / model_type / "config.json")
+    return {model_type: str(root / model_type) for model_type in CONFIGS}
+
+
+def runnable(model_type, cache, strategy):
+    """tuple holds no layer of another kind; on meta, static decodes greedy only (kvlab.lab.params)."""
+    return not (cache == "tuple" and model_type in ("qwen3_next", "gemma3n_text")) and not (
+        cache == "static" and strategy == "beam"
+    )
+
+
+# make test: one design per layout; the rest under make test-all.
+QUICK = {("mistral", "prealloc"), ("deepseek_v3", "list"), ("qwen3_next", "dynamic")}
+CASES = [
+    pytest.param(
+        model_type,
+        cache,
+        loop,
+        strategy,
+        marks=() if (model_type, cache) in QUICK and loop != "v4.42" else pytest.mark.slow,
+    )
+    for model_type, (cache, loop), strategy in itertools.product(CONFIGS, DESIGNS, ("greedy", "beam"))
+    if runnable(model_type, cache, strategy)
+]
+
+
+@pytest.mark.parametrize("model_type, cache, loop, strategy", CASES)
+def test_the_skipped_steps_never_hold_the_peak(folders, model_type, cache, loop, strategy):
+    """On CPU, every step decoded: the highest step is one peak_steps keeps."""
+    model = build_model(folders[model_type])
+    prompt = random_prompt(256, POINT["batch"], POINT["prompt"], 0)
+    options = dict(block_tokens=POINT["block_tokens"], chunk_limit=POINT["chunk_limit"])
+    with MemoryMeter("cpu", model) as meter:
+        generate(model, prompt, POINT["new"], cache=cache, loop=loop, strategy=strategy, num_beams=3, meter=meter,
+                 cache_options=dict(options, max_cache_len=POINT["prompt"] + POINT["new"] - 1))  # fmt: skip
+    peaks = {step.step: step.peak_bytes for step in meter.report().timeline}
+    kept = peak_steps(cache, POINT["new"], **options)
+    assert len(kept) < len(peaks) - 10  # the claim skips most steps
+    assert max(peaks[step] for step in kept) == max(peaks.values())
+
+
+@pytest.mark.parametrize("model_type, cache, loop, strategy", CASES)
+def test_a_dry_run_counts_what_a_cpu_run_allocates(folders, model_type, cache, loop, strategy):
+    point = dict(preset=folders[model_type], cache=cache, loop=loop, strategy=strategy, num_beams=3, **POINT)
+    cpu = run_point(**point, timing=False)["overhead_bytes"]
+    (row,) = predict(**point, dry_run=True)["designs"]
+    assert row["peak_at"].endswith("(dry run on meta)")
+    assert abs(row["predicted_overhead_bytes"] - cpu) <= 8
+    meta = run_point(**point, device="meta", timing=False)["overhead_bytes"]  # measure on meta: the same dry run
+    assert meta == row["predicted_overhead_bytes"]
+
+
+def test_meta_answers_yes_or_no_only(folders):
+    """A number read off a meta tensor still fails: the dry run never guesses a length or an index."""
+    from kvlab.meter import MetaAsCpu
+
+    with MetaAsCpu(), pytest.raises(RuntimeError, match="meta"):
+        torch.ones(3, dtype=torch.long, device="meta").sum().item()
+    with MetaAsCpu():
+        assert bool(torch.ones(3, device="meta").eq(1).all())
