@@ -195,3 +195,19 @@ def release_excerpts(data_dir) -> tuple[dict, str]:
     if committed.is_file() and json.loads(committed.read_text()) != excerpts:
         raise ValueError(f"data/{PR_EXCERPTS_FILE} differs from the installed releases: write it again")
     return excerpts, "the installed releases"
+
+
+def kv_only_plan(prediction: dict, context: int) -> dict:
+    """What a planner that counts the weights and the final KV alone answers for the same question: the peak, and,
+    given a memory, the largest batch (at the prediction's new tokens) and the longest generation (at its batch,
+    up to the `context` the model has). The KV formula is kvlab.models.final_kv_bytes, the one the prediction
+    divides by."""
+    row, memory = prediction["designs"][0], prediction["memory_bytes"]
+    sequences = prediction["batch"] * prediction["num_beams"]
+    per_token = row["kv_final_bytes"] // (sequences * (prediction["prompt"] + prediction["new"]))  # one sequence
+    room = (memory or 0) - prediction["weights_bytes"]
+    return {
+        "peak_bytes": prediction["weights_bytes"] + row["kv_final_bytes"],
+        "max_batch": room // (per_token * prediction["num_beams"] * (prediction["prompt"] + prediction["new"])),
+        "max_new": min(room // (per_token * sequences), context) - prediction["prompt"],
+    }

@@ -701,3 +701,51 @@ def speed_figure(runs: pd.DataFrame, title: str, baseline: str = "dynamic"):
     fig.suptitle(title, fontsize=11)
     fig.tight_layout()
     return fig
+
+
+def fit_figure(prediction: dict, title: str = ""):
+    """Lesson 08: each design's predicted peak (GiB) as weights, final KV and the rest of the overhead stacked, the
+    memory budget as a vertical line. A KV-only planner's answer is the first two parts; the third is what it
+    misses. Designs in the prediction's order, the first on top."""
+    gib = 2**30
+    rows = prediction["designs"]
+    labels = [f"{row['cache']} / {row['loop']}" for row in rows]
+    weights = prediction["weights_bytes"] / gib
+    kv = [row["kv_final_bytes"] / gib for row in rows]
+    rest = [max(0.0, (row["predicted_overhead_bytes"] - row["kv_final_bytes"]) / gib) for row in rows]
+    fig, ax = plt.subplots(figsize=(WIDTH, 0.45 * len(rows) + 1.6))
+    y = range(len(rows))[::-1]
+    ax.barh(y, [weights] * len(rows), color="0.75", label="weights")
+    ax.barh(y, kv, left=weights, color=CATEGORY_COLORS["kv"], label="final KV (a KV-only planner stops here)")
+    ax.barh(y, rest, left=[weights + k for k in kv], color="tab:red", label="the rest of the peak")
+    if prediction["memory_bytes"]:
+        ax.axvline(prediction["memory_bytes"] / gib, color="black", linewidth=1.5, label="memory budget")
+    ax.set_yticks(list(y), labels)
+    ax.set_xlabel("predicted peak (GiB)")
+    ax.set_title(title)
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18 - 0.02 * len(rows)), ncol=4, frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def plan_widget(preset: str, dtype: str = "bfloat16", memory: str = "80GiB"):
+    """Lesson 08, live: sliders for the batch, the prompt and the new tokens, a box for the memory; each change
+    predicts again (kvlab.lab.predict) and redraws the figure. Needs a running kernel (Jupyter, Colab)."""
+    import ipywidgets as widgets
+    import matplotlib.pyplot as plt
+
+    from ..lab.predict import predict
+
+    def draw(batch, prompt, new, memory):
+        result = predict(preset, batch=batch, prompt=prompt, new=new, dtype=dtype, memory=memory)
+        fit_figure(result, title=f"{preset}, {dtype}: batch {batch}, prompt {prompt}, {new} new, budget {memory}")
+        plt.show()
+
+    slider = lambda value, top: widgets.IntSlider(value=value, min=1, max=top, continuous_update=False)  # noqa: E731
+    return widgets.interact(
+        draw,
+        batch=slider(8, 256),
+        prompt=slider(4096, 131072),
+        new=slider(512, 32768),
+        memory=widgets.Text(value=memory, continuous_update=False),
+    )
