@@ -271,3 +271,17 @@ def test_a_local_config_json_of_todays_layouts(tmp_path, capsys, no_model, prese
     build_config(preset).to_json_file(tmp_path / "config.json")
     out = predict_output(capsys, "--preset", str(tmp_path), *MISTRAL_V01[2:], "--cache", "dynamic", "--loop", "v5")
     assert held in out
+
+
+def test_a_kv_only_planner_counts_the_weights_and_the_textbook_kv():
+    """Lesson 08's comparison: Llama-3-8B's KV by hand, 2 x 32 layers x 8 KV heads x 128 x 2 bytes per token."""
+    from kvlab.notebook.helpers import kv_only_plan
+
+    plan = kvlab.lab.predict.predict("llama3-8b", cache="dynamic", loop="v5", batch=8, prompt=4096, new=2048,
+                                     dtype="bfloat16", memory="40GiB")  # fmt: skip
+    per_token = 2 * 32 * 8 * 128 * 2
+    kv_only = kv_only_plan(plan, context=8192)
+    assert kv_only["peak_bytes"] == plan["weights_bytes"] + per_token * 8 * (4096 + 2048)
+    room = 40 * GIB - plan["weights_bytes"]
+    assert kv_only["max_batch"] == room // (per_token * (4096 + 2048))
+    assert kv_only["max_new"] == 8192 - 4096  # memory would allow more: the context ends first
