@@ -11,7 +11,9 @@
             on a sliding-window layer, a window buffer of W - 1 + `block_tokens` slots (`WindowLayer`).
 
 On a model with sliding-window layers `dynamic` and `prealloc` give those layers their sliding form, as
-`generate()`'s default cache does. Our layers keep the whole contract of transformers' `CacheLayerMixin`.
+`generate()`'s default cache does; a layer that is not attention (linear attention, Mamba, MoE-only, KV-sharing)
+keeps 5.x's own cache in every design but `tuple`, which refuses such a model. Our layers keep the whole contract
+of transformers' `CacheLayerMixin`.
 """
 
 from __future__ import annotations
