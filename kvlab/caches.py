@@ -338,6 +338,11 @@ def check_layers(config, cache: str = "dynamic") -> None:
     kinds = [kind for kind, _ in layer_kinds(config)]
     if unknown := sorted(set(kinds) - set(DYNAMIC_LAYER_TYPE_MAPPING)):
         raise ValueError(f"{config.model_type}: layer type(s) {', '.join(unknown)} have no cache in this transformers")
+    if "indexed_attention" in kinds:  # its layers cache an indexer's keys beside K and V, which kvlab does not count
+        raise ValueError(
+            f"{config.model_type}: indexed (sparse) attention layers cache indexer keys kvlab does not count; "
+            "transformers' own generate() runs it (kind reference, cache dynamic, loop v5)"
+        )
     if own := OWN_CACHE.get(config.model_type):
         raise ValueError(
             f"{config.model_type}: its forward takes only its own {own}, not kvlab's caches; transformers' own "

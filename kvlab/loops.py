@@ -241,8 +241,8 @@ def _skip(kv, outputs, tokens: int) -> None:
 
 def peak_steps(cache: str, new_tokens: int, block_tokens: int = 32, chunk_limit: int = 50) -> frozenset[int]:
     """The steps whose forward can hold a run's peak: the prompt's (0), the first decode step (where what the
-    prompt's step left still lives) and the last; for `prealloc` also the `block_tokens` steps before the last, and
-    for `list` the `chunk_limit` ones. Why (tested against full runs' timelines in tests/test_dry_run.py): from
+    prompt's step left still lives) and the last; for `prealloc` the last `block_tokens` steps, for `list` the last
+    `chunk_limit` ones. Why (tested against full runs' timelines in tests/test_dry_run.py): from
     step 2 on each step holds what the one before held with a token more in every growing tensor, so a later
     step holds at least as much; except where a design reallocates only every few steps (prealloc's buffers and
     window moves every `block_tokens`, list's consolidation every `chunk_limit - 1`), and the last such step

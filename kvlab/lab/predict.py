@@ -136,7 +136,8 @@ def predict(
     attention's scratch is per thread) and the longest generation (`max_new`, up to the model's context).
 
     The model types kvlab.theory models are walked term by term; every other decoder kvlab runs, or any with
-    `dry_run`, gets a dry run on the meta device (`DryRun`): exact, slower (seconds per design).
+    `dry_run`, gets a dry run on the meta device (`DryRun`): within 8 bytes of a CPU run, slower (seconds per
+    design).
     """
     if (max_batch or max_new) and memory is None:
         raise ValueError("--max-batch and --max-new answer for a memory size: give --memory too")

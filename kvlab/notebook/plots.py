@@ -717,7 +717,7 @@ def fit_figure(prediction: dict, title: str = ""):
     y = range(len(rows))[::-1]
     ax.barh(y, [weights] * len(rows), color="0.75", label="weights")
     ax.barh(y, kv, left=weights, color=CATEGORY_COLORS["kv"], label="final KV (a KV-only planner stops here)")
-    ax.barh(y, rest, left=[weights + k for k in kv], color="tab:red", label="the rest of the peak")
+    ax.barh(y, rest, left=[weights + k for k in kv], color="tab:red", label="peak − weights − final KV")
     if prediction["memory_bytes"]:
         ax.axvline(prediction["memory_bytes"] / gib, color="black", linewidth=1.5, label="memory budget")
     ax.set_yticks(list(y), labels)
