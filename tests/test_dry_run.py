@@ -7,6 +7,7 @@ import itertools
 
 import pytest
 import torch
+from test_architectures import RUN, SIZES
 from transformers import AutoConfig
 
 from kvlab.lab.point import run_point
@@ -15,48 +16,13 @@ from kvlab.loops import generate, peak_steps
 from kvlab.meter import MemoryMeter
 from kvlab.models import build_model, random_prompt
 
-SIZES = dict(num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
-CONFIGS = {  # a window shorter than the run, latent attention, linear attention beside full, KV sharing
-    "mistral": dict(sliding_window=12, intermediate_size=96),
-    "deepseek_v3": dict(
-        num_key_value_heads=4,
-        kv_lora_rank=32,
-        q_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-        intermediate_size=96,
-    ),
-    "qwen3_next": dict(
-        layer_types=["linear_attention", "full_attention"],
-        linear_key_head_dim=16,
-        linear_value_head_dim=16,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=32,
-        intermediate_size=96,
-    ),
-    "gemma3n_text": dict(
-        num_hidden_layers=4,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        num_kv_shared_layers=2,
-        vocab_size_per_layer_input=256,
-        hidden_size_per_layer_input=8,
-        sliding_window=12,
-        head_dim=16,
-        intermediate_size=96,
-        activation_sparsity_pattern=[0.0] * 4,
-    ),
+# A window shorter than the run, latent attention, linear attention beside full, KV sharing: the tiny configs of
+# tests/test_architectures.py, the windows shortened to 12.
+CONFIGS = {
+    "mistral": dict(sliding_window=12),
+    "deepseek_v3": RUN["deepseek_v3"],
+    "qwen3_next": RUN["qwen3_next"],
+    "gemma3n_text": dict(RUN["gemma3n_text"], sliding_window=12),
 }
 # Short reallocation periods, so that a run of 30 steps has several of each (prealloc's blocks and window moves,
 # list's consolidations).
