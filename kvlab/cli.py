@@ -1,7 +1,8 @@
-"""Command line: `python -m kvlab {measure,compare,predict,explain,sweep,waste}`. Every error is one line, `kvlab VERB:
-error: ...` (argparse's own too), exit status 2 for bad input, before any model is built; so is a point predicted
-not to fit in its device's free memory (unless --force). Every verb runs decoders (encoder-decoders: notebook 06).
-A sweep (a sweep file and/or --grid items → points → an engine) stops on Ctrl-C or SIGTERM with its rows kept.
+"""Command line: `python -m kvlab {measure,compare,predict,explain,sweep,waste,savers}`. Every error is one line,
+`kvlab VERB: error: ...` (argparse's own too), exit status 2 for bad input, before any model is built; so is a point
+predicted not to fit in its device's free memory (unless --force). Every verb runs decoders (encoder-decoders:
+notebook 06). A sweep (a sweep file and/or --grid items → points → an engine) stops on Ctrl-C or SIGTERM with its
+rows kept.
 """
 
 from __future__ import annotations
@@ -225,6 +226,31 @@ def cmd_waste(args) -> None:
     write_waste(args.names, args.out, command=" ".join(["python -m kvlab", *args.argv]))
 
 
+def cmd_savers(args) -> None:
+    from .lab.savers_table import write_savers
+
+    write_savers(args.names, args.out, command=" ".join(["python -m kvlab", *args.argv]))
+
+
+def _savers_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Measure today's memory savers (kvlab.savers): for each, the KV bytes and the peak bytes it saves against "
+        "the same model without it, what holds the difference at its peak, and both predicted; its row in "
+        "OUT/savers.csv (replacing its stored one), each run logged in OUT/provenance.json."
+    )
+    parser.add_argument(
+        "names",
+        nargs="*",
+        metavar="name",
+        help="savers of kvlab.savers.SAVERS (default: all; an unknown name is refused with the list)",
+    )
+    parser.add_argument(
+        "--out",
+        default=str(Path("data") / "today"),
+        help="folder of the table, relative to the current directory (default: data/today)",
+    )
+
+
 def _waste_arguments(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Measure where the peak of transformers' own generate() goes (kvlab.waste): each point's "
@@ -426,7 +452,11 @@ def build_parser() -> argparse.ArgumentParser:
             "waste", help="the waste in transformers' own generate(): measure points into data/today (or --out)"
         )
     )
+    _savers_arguments(
+        sub.add_parser("savers", help="today's memory savers: KV saved beside peak saved, into data/today (or --out)")
+    )
     commands = dict(
+        savers=cmd_savers,
         measure=cmd_measure,
         predict=cmd_predict,
         explain=cmd_explain,

@@ -141,6 +141,7 @@ def generate(
     meter=None,
     cache_options: dict | None = None,
     steps=None,
+    prefill_chunk: int | None = None,
 ) -> Generation:
     """Decode `new_tokens` tokens after `input_ids` as release `loop` did; continue from `past` if given.
 
@@ -159,8 +160,11 @@ def generate(
     cache_options: keywords for `make_cache` (chunk_limit, block_tokens, max_cache_len) when the loop starts a cache.
     steps: on meta, the steps to decode with a forward (`peak_steps`); between two of them the cache and the tokens
         grow as the skipped steps would grow them, without a forward. None: every step.
+    prefill_chunk: the prompt's forward in chunks of this many tokens, as generate()'s `prefill_chunk_size` (v5).
     """
     _check(cache, loop, strategy, new_tokens)
+    if prefill_chunk is not None and (loop != "v5" or prefill_chunk < 1):
+        raise ValueError("prefill_chunk: a positive number of tokens, under the v5 loop (prefill_chunk_size is 5.x's)")
     release, device, tokens = LOOPS[loop], input_ids.device, input_ids
     if steps is not None and (device.type != "meta" or {0, new_tokens - 1} - set(steps)):
         raise ValueError("steps: on the meta device only, with the first and the last step among them")
@@ -174,6 +178,7 @@ def generate(
     skipped = 0
     start = time.perf_counter()
     with _grad_mode(device), _forward_of(model, release, meter) as forward_options:
+        earlier, cached = _prefill_chunks(model, kv, tokens, cached, prefill_chunk, forward_options)
         for step in range(new_tokens):
             if steps is not None and step not in steps:
                 skipped += 1
@@ -204,6 +209,8 @@ def generate(
                 next_logits = new_outputs.logits[:, -1, :].to(copy=True, dtype=torch.float32)
             kv = handed_back  # tuple: the caller's old tuple dies here, not before (other designs: the same object)
             del new_outputs, handed_back
+            if step == 0:  # the chunked prefill's last outputs: generate() rebinds them after this forward
+                del earlier
             if meter is not None:  # before a beam reorder replaces them within this step
                 meter.label(cache_tensors(kv), "kv")
             # `next_logits` stays alive into the next step as a local of generate()'s loop does: it is rebound
@@ -221,6 +228,28 @@ def generate(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return Generation(tokens, kv, time.perf_counter() - start)
+
+
+def _prefill_chunks(model, kv, tokens, cached: int, chunk: int | None, forward_options: dict):
+    """generate()'s chunked prefill: every chunk of the prompt but the last through the model, each with the mask
+    and positions up to its end; the last chunk is step 0's forward. Returns the last chunk's outputs (alive, as
+    generate()'s `outputs`, until the next forward returns) and where step 0 starts."""
+    starts = list(range(cached, tokens.shape[1], chunk or tokens.shape[1]))
+    mask = torch.ones(tokens.shape, dtype=torch.long, device=tokens.device)
+    positions = mask.cumsum(-1) - 1
+    outputs = None
+    for start in starts[:-1]:
+        end = start + chunk
+        outputs, _ = forward(
+            model,
+            kv,
+            input_ids=tokens[:, start:end],
+            position_ids=positions[:, start:end],
+            use_cache=True,
+            attention_mask=mask[:, :end],
+            **forward_options,
+        )
+    return outputs, starts[-1] if starts else cached
 
 
 def _skip(kv, outputs, tokens: int) -> None:

@@ -178,15 +178,19 @@ PER_TOKEN_FREE = ("linear_attention", "conv", "dummy", "moe", "mlp")  # moe, mlp
 def kv_bytes_per_token(config, batch: int, dtype: str) -> int:
     """Bytes one token adds to the KV cache of the whole model: keys and values of every layer that caches them
     per token, or, with multi-head latent attention, the latent and the rotary key that 5.x caches instead."""
+    return sum(layer_bytes_per_token(config, batch, dtype))
+
+
+def layer_bytes_per_token(config, batch: int, dtype: str) -> list[int]:
+    """kv_bytes_per_token layer by layer: 0 for a layer that caches nothing per token."""
     if not hasattr(config, "get_text_config"):  # a bare shape (kvlab.encdec's decoder): every layer caches
-        width = config.num_hidden_layers * _token_width(config)
-    else:
-        text = config.get_text_config(decoder=True)
-        # Gemma 4: a layer's own config where its head size or heads differ from the others'
-        layers = getattr(text, "per_layer_config", None) or [text] * text.num_hidden_layers
-        kinds = [kind for kind, _ in layer_kinds(config)]
-        width = sum(_token_width(layer) for kind, layer in zip(kinds, layers) if kind not in PER_TOKEN_FREE)
-    return batch * width * element_size(dtype)
+        return [batch * _token_width(config) * element_size(dtype)] * config.num_hidden_layers
+    text = config.get_text_config(decoder=True)
+    # Gemma 4: a layer's own config where its head size or heads differ from the others'
+    layers = getattr(text, "per_layer_config", None) or [text] * text.num_hidden_layers
+    kinds = [kind for kind, _ in layer_kinds(config)]
+    size = element_size(dtype)
+    return [0 if kind in PER_TOKEN_FREE else batch * _token_width(layer) * size for kind, layer in zip(kinds, layers)]
 
 
 def _token_width(layer) -> int:
