@@ -227,9 +227,35 @@ def cmd_waste(args) -> None:
 
 
 def cmd_savers(args) -> None:
-    from .lab.savers_table import write_savers
+    command = " ".join(["python -m kvlab", *args.argv])
+    if "text" not in args.names:
+        from .lab.savers_table import write_savers
 
-    write_savers(args.names, args.out, command=" ".join(["python -m kvlab", *args.argv]))
+        return write_savers(args.names, args.out, command=command)
+    if args.names != ["text"]:
+        raise ValueError("text writes its own table; run it alone, not with savers")
+    _write_saver_answers(args.out, command)
+
+
+def _write_saver_answers(out: str, command: str) -> None:
+    """The running example's answer with each lossy saver (kvlab.text.saver_answers): OUT/savers_text.csv."""
+    import datetime
+
+    import pandas as pd
+
+    from .lab.savers_table import backend_versions
+    from .lab.store import append_run, prepare_folder
+    from .text import PRESET, SAVER_QUESTION, SAVER_TOKENS, saver_answers
+
+    versions = backend_versions()
+    started = datetime.datetime.now(datetime.timezone.utc)
+    prepare_folder(Path(out), folders=())
+    table = pd.DataFrame(saver_answers()).astype({"first_difference": "Int64"})  # None: the default's every token
+    table.to_csv(Path(out) / "savers_text.csv", index=False)
+    print(table[["saver", "same_tokens", "first_difference"]].to_string(index=False))
+    what = "kvlab.text.saver_answers: the running example's greedy answer (fp32) with each lossy saver"
+    append_run(out, command, started, "cpu", results_file="savers_text.csv", what=what, preset=PRESET,
+               question=SAVER_QUESTION, new=SAVER_TOKENS, backends=versions)  # fmt: skip
 
 
 def _savers_arguments(parser: argparse.ArgumentParser) -> None:
@@ -242,7 +268,8 @@ def _savers_arguments(parser: argparse.ArgumentParser) -> None:
         "names",
         nargs="*",
         metavar="name",
-        help="savers of kvlab.savers.SAVERS (default: all; an unknown name is refused with the list)",
+        help="savers of kvlab.savers.SAVERS (default: all; an unknown name is refused with the list), or text "
+        "alone: the running example's answer with each lossy saver (OUT/savers_text.csv)",
     )
     parser.add_argument(
         "--out",

@@ -59,3 +59,49 @@ def release_text(version: str, question: str = QUESTION, new: int = ANSWER_TOKEN
     point = dict(preset=PRESET, input_ids=chat_ids(question).tolist(), new=new, strategy=strategy, dtype="float32")
     (record,) = measure_references(version, [point])
     return decode(record["tokens"][0])
+
+
+# What a lossy cache costs in text: the running example's answer with each quantized cache of kvlab.savers. The
+# integer backends quantize the prompt at once and then every `residual_length` new tokens; 16 (not their 128) so
+# that the answer's own keys and values are quantized too.
+SAVER_QUESTION = "Explain in three sentences why the sky is blue."
+SAVER_TOKENS = 60
+LOSSY = ("fp8", "quanto-int4", "hqq-int4", "quanto-int2")
+
+
+def saver_options(name: str) -> dict:
+    """generate()'s options for saver `name` (kvlab.savers.SAVERS), the integer backends' residual set to 16."""
+    from .savers import SAVERS
+
+    options = dict(SAVERS[name]["generate"])
+    if options["cache_config"]["backend"] != "fp8":
+        options["cache_config"] = dict(options["cache_config"], residual_length=16)
+    return options
+
+
+def saver_answers(question: str = SAVER_QUESTION, new: int = SAVER_TOKENS, names=LOSSY) -> list[dict]:
+    """SmolLM2-135M-Instruct's greedy answer (fp32, transformers' own generate()) with its default cache and with
+    each lossy saver of `names`: the text, the share of positions that decode the default's token, the first
+    position that does not."""
+    from .explain import generate_call
+    from .models import build_model
+
+    model = build_model(PRESET, dtype="float32")
+    ids = chat_ids(question)
+    rows = []
+    for name in ("default", *names):
+        options = {} if name == "default" else saver_options(name)
+        with torch.no_grad():
+            tokens = generate_call(model, ids, new, **options)()[0, ids.shape[1] :]
+        same = tokens == rows[0]["ids"] if rows else torch.ones_like(tokens, dtype=torch.bool)
+        rows.append(
+            dict(
+                saver=name,
+                generate=" ".join(f"{key}={value}" for key, value in options.items()),
+                same_tokens=round(same.float().mean().item(), 3),
+                first_difference=int((~same).nonzero()[0]) if not same.all() else None,
+                text=decode(tokens),
+                ids=tokens,
+            )
+        )
+    return [{key: value for key, value in row.items() if key != "ids"} for row in rows]

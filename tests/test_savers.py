@@ -114,3 +114,15 @@ def test_the_stored_table_keeps_the_claims():
     assert (
         abs(both["peak_saved_predicted_bytes"] - both["peak_saved_bytes"]) <= 0.01 * both["peak_baseline_bytes"]
     ).all()
+
+
+@pytest.mark.slow
+def test_the_running_examples_answers_are_the_stored_ones():
+    """The stored answers (data/today/savers_text.csv) are what SmolLM2 decodes with each lossy saver: the text
+    lesson 08 quotes, where each first leaves the default cache's answer."""
+    from kvlab.text import saver_answers
+
+    stored = pd.read_csv(TABLE.with_name("savers_text.csv"), keep_default_na=False)
+    now = [(row["saver"], "" if row["first_difference"] is None else str(row["first_difference"]), row["text"])
+           for row in saver_answers()]  # fmt: skip
+    assert now == [(row.saver, str(row.first_difference), row.text) for row in stored.itertuples()]
