@@ -165,6 +165,7 @@ COLUMNS = [
     "prompt",
     "new",
     "dtype",
+    "weights_bytes",
     "kv_baseline_bytes",
     "kv_bytes",
     "kv_saved_bytes",
@@ -179,6 +180,11 @@ COLUMNS = [
     "peak_op",
     "transient",
     "same_tokens",
+    "full_size",
+    "full_weights_bytes",
+    "full_kv_saved_predicted_bytes",
+    "full_peak_baseline_predicted_bytes",
+    "full_peak_saved_predicted_bytes",
     "where",
     "note",
 ]
@@ -368,23 +374,14 @@ def offloaded_peak(config, baseline_peak: int, batch: int, tokens: int, dtype: s
 def row(name: str, point: dict | None = None) -> dict:
     """One saver's row of savers.csv (COLUMNS): SAVERS[name], or `point` given in the same form."""
     point = point or SAVERS[name]
-    options, new, batch, dtype = point["generate"], point["new"], point["batch"], point["dtype"]
+    options, new, batch = point["generate"], point["new"], point["batch"]
     model = _model(point)
     ids = random_prompt(model.config.vocab_size, batch, point["prompt"], 0)
-    tokens = point["prompt"] + new - 1  # the last new token is never fed back; one update per forward
-    before = baseline(point) if name not in BASELINE_NOT_RUN else dict(kv=None, peak=None, peak_predicted=None)
+    before = measured_baseline(point) if name not in BASELINE_NOT_RUN else dict(kv=None, peak=None)
     after = measure(model, ids, new, options) if name not in SAVER_NOT_RUN else dict(kv=None, peak=None)
-    if name in BASELINE_NOT_RUN:  # MLA: the latent against each head's K and V
-        kv_base_predicted = per_head_kv_bytes(model.config, batch, tokens, dtype)
-    else:
-        kv_base_predicted = kv_bytes(_model(point, "meta", baseline=True).config, {}, batch, tokens, dtype, new)
-    if name == "offloaded":
-        peak_predicted = offloaded_peak(model.config, before["peak_predicted"], batch, tokens, dtype)
-        kv_predicted = kv_base_predicted * 2 // model.config.num_hidden_layers
-    else:
-        peak_predicted = dry_run_peak(_model(point, "meta"), new, batch, point["prompt"], options)
-        kv_predicted = kv_bytes(model.config, options, batch, tokens, dtype, new)
     forward, op, named = transient(model, ids, new, options) if name not in SAVER_NOT_RUN else (None, "", "")
+    guess = predicted(name, point)
+    full = predicted(name, dict(point, preset=FULL_SIZE[point["preset"]])) if point["preset"] in FULL_SIZE else {}
     return dict(
         saver=name,
         preset=point["preset"],
@@ -392,41 +389,71 @@ def row(name: str, point: dict | None = None) -> dict:
         baseline=_text(point.get("baseline") or {}) or "the same model, generate()'s default cache",
         generate=_text(options),
         **{key: point[key] for key in ("batch", "prompt", "new", "dtype")},
+        weights_bytes=weight_bytes(model),
         kv_baseline_bytes=before["kv"],
         kv_bytes=after["kv"],
         kv_saved_bytes=_minus(before["kv"], after["kv"]),
-        kv_saved_predicted_bytes=kv_base_predicted - kv_predicted,
+        kv_saved_predicted_bytes=guess["kv_base"] - guess["kv"],
         peak_baseline_bytes=before["peak"],
         peak_bytes=after["peak"],
         peak_saved_bytes=_minus(before["peak"], after["peak"]),
-        peak_saved_predicted_bytes=_minus(before["peak_predicted"], peak_predicted),
-        peak_baseline_predicted_bytes=before["peak_predicted"],
-        peak_predicted_bytes=peak_predicted,
+        peak_saved_predicted_bytes=_minus(guess["peak_base"], guess["peak"]),
+        peak_baseline_predicted_bytes=guess["peak_base"],
+        peak_predicted_bytes=guess["peak"],
         peak_forward=forward,
         peak_op=op,
         transient=named,
         same_tokens=_same(before["tokens"], after["tokens"]) if "tokens" in before and "tokens" in after else None,
+        full_size=FULL_SIZE.get(point["preset"]),
+        full_weights_bytes=full.get("weights"),
+        full_kv_saved_predicted_bytes=_minus(full.get("kv_base"), full.get("kv")),
+        full_peak_baseline_predicted_bytes=full.get("peak_base"),
+        full_peak_saved_predicted_bytes=_minus(full.get("peak_base"), full.get("peak")),
         where=point["where"],
         note=SAVER_NOT_RUN.get(name) or BASELINE_NOT_RUN.get(name, ""),
     )
 
 
+# The twins' own models, for the prediction at full size (on meta: nothing is allocated)
+FULL_SIZE = {"llama2-7b-twin": "llama2-7b", "mistral-7b-v0.1-twin": "mistral-7b-v0.1"}
 _BASELINES = {}  # one baseline per model and point in a process: the quantized savers share the twin's
 
 
-def baseline(point: dict) -> dict:
-    """The baseline of `point` (its model without the saver, generate()'s default cache): measured, and its peak
-    predicted by the dry run."""
-    key = json.dumps([point[k] for k in ("preset", "overrides", "batch", "prompt", "new", "dtype")] +
-                     [point.get("baseline")], sort_keys=True)  # fmt: skip
+def _key(point: dict, *extra) -> str:
+    fields = ("preset", "overrides", "baseline", "batch", "prompt", "new", "dtype")
+    return json.dumps([point.get(field) for field in fields] + list(extra), sort_keys=True)
+
+
+def measured_baseline(point: dict) -> dict:
+    """transformers' own generate() on `point`'s model without the saver, its default cache (once per process)."""
+    key = _key(point, "measured")
     if key not in _BASELINES:
         model = _model(point, baseline=True)
         ids = random_prompt(model.config.vocab_size, point["batch"], point["prompt"], 0)
-        predicted = dry_run_peak(
-            _model(point, "meta", baseline=True), point["new"], point["batch"], point["prompt"], {}
-        )
-        _BASELINES[key] = dict(measure(model, ids, point["new"], {}), peak_predicted=predicted)
+        _BASELINES[key] = measure(model, ids, point["new"], {})
     return _BASELINES[key]
+
+
+def predicted(name: str, point: dict) -> dict:
+    """Before anything is allocated: the weights, the KV (from the shapes) and the peak (the dry run; offloading:
+    our reading of it) of `point` with saver `name` and without it (MLA's baseline: per-head KV, no peak)."""
+    options, new, batch, dtype = point["generate"], point["new"], point["batch"], point["dtype"]
+    tokens = point["prompt"] + new - 1  # the last new token is never fed back; one update per forward
+    meta, base = _model(point, "meta"), _model(point, "meta", baseline=True)
+    key = _key(point, "predicted")
+    if key not in _BASELINES:
+        _BASELINES[key] = dry_run_peak(base, new, batch, point["prompt"], {})
+    peak_base = _BASELINES[key]
+    kv_base = kv_bytes(base.config, {}, batch, tokens, dtype, new)
+    if name in BASELINE_NOT_RUN:  # MLA: the latent against each head's K and V
+        kv_base, peak_base = per_head_kv_bytes(meta.config, batch, tokens, dtype), None
+    if name == "offloaded":
+        peak = offloaded_peak(meta.config, peak_base, batch, tokens, dtype)
+        kv = kv_base * 2 // meta.config.num_hidden_layers
+    else:
+        peak = dry_run_peak(meta, new, batch, point["prompt"], options)
+        kv = kv_bytes(meta.config, options, batch, tokens, dtype, new)
+    return dict(weights=weight_bytes(meta), kv_base=kv_base, kv=kv, peak_base=peak_base, peak=peak)
 
 
 def _minus(a, b):
