@@ -245,9 +245,9 @@ def _write_saver_answers(out: str, command: str) -> None:
 
     from .lab.savers_table import backend_versions
     from .lab.store import append_run, prepare_folder
-    from .text import PRESET, SAVER_QUESTION, SAVER_TOKENS, saver_answers
+    from .text import LOSSY, PRESET, SAVER_QUESTION, SAVER_TOKENS, saver_answers
 
-    versions = backend_versions()
+    versions = backend_versions(LOSSY)
     started = datetime.datetime.now(datetime.timezone.utc)
     prepare_folder(Path(out), folders=())
     table = pd.DataFrame(saver_answers()).astype({"first_difference": "Int64"})  # None: the default's every token

@@ -178,7 +178,7 @@ def generate(
     skipped = 0
     start = time.perf_counter()
     with _grad_mode(device), _forward_of(model, release, meter) as forward_options:
-        earlier, cached = _prefill_chunks(model, kv, tokens, cached, prefill_chunk, forward_options)
+        kv, earlier, cached = _prefill_chunks(model, kv, tokens, cached, prefill_chunk, forward_options)
         for step in range(new_tokens):
             if steps is not None and step not in steps:
                 skipped += 1
@@ -232,15 +232,17 @@ def generate(
 
 def _prefill_chunks(model, kv, tokens, cached: int, chunk: int | None, forward_options: dict):
     """generate()'s chunked prefill: every chunk of the prompt but the last through the model, each with the mask
-    and positions up to its end; the last chunk is step 0's forward. Returns the last chunk's outputs (alive, as
-    generate()'s `outputs`, until the next forward returns) and where step 0 starts."""
+    and positions up to its end; the last chunk is step 0's forward. Returns the cache to continue from (`tuple`
+    hands back a new one), the outputs of the chunk before the last (alive, as generate()'s `outputs`, until
+    step 0's forward returns) and where step 0 starts."""
     starts = list(range(cached, tokens.shape[1], chunk or tokens.shape[1]))
-    mask = torch.ones(tokens.shape, dtype=torch.long, device=tokens.device)
-    positions = mask.cumsum(-1) - 1
     outputs = None
+    if len(starts) > 1:
+        mask = torch.ones(tokens.shape, dtype=torch.long, device=tokens.device)
+        positions = mask.cumsum(-1) - 1
     for start in starts[:-1]:
         end = start + chunk
-        outputs, _ = forward(
+        outputs, kv = forward(
             model,
             kv,
             input_ids=tokens[:, start:end],
@@ -249,7 +251,7 @@ def _prefill_chunks(model, kv, tokens, cached: int, chunk: int | None, forward_o
             attention_mask=mask[:, :end],
             **forward_options,
         )
-    return outputs, starts[-1] if starts else cached
+    return kv, outputs, starts[-1] if starts else cached
 
 
 def _skip(kv, outputs, tokens: int) -> None:

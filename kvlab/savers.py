@@ -149,11 +149,12 @@ SAVERS = {
 }
 # What is not run here, with why: its side of the row is predicted only.
 SAVER_NOT_RUN = {
-    "offloaded": "not run: offloading needs CUDA streams (transformers' Cache(offloading=True)); predicted"
+    "offloaded": "predicted only: offloading needs CUDA streams (transformers' Cache(offloading=True)); it moves the "
+    "KV to the CPU's memory, it does not save it"
 }
 BASELINE_NOT_RUN = {
-    "mla": "the baseline, each head's K and V cached, from the shapes only: no release kvlab supports caches MLA per "
-    "head (5.17 caches the latent already)"
+    "mla": "the baseline (each head's K and V cached) from the shapes only: every release kvlab supports (5.17 on) "
+    "caches MLA's latent"
 }
 COLUMNS = [
     "saver",
@@ -192,8 +193,10 @@ COLUMNS = [
 
 @functools.cache
 def tiny_config(model_type: str) -> str:
-    """The folder of TINY[model_type]'s config.json (written once per process): a preset kvlab's builders read."""
-    folder = Path(tempfile.mkdtemp(prefix=f"kvlab-{model_type}-"))
+    """The folder of TINY[model_type]'s config.json (written once per process, in the system's temporary folder):
+    a preset kvlab's builders read."""
+    folder = Path(tempfile.gettempdir()) / "kvlab-savers" / model_type
+    folder.mkdir(parents=True, exist_ok=True)
     AutoConfig.for_model(model_type, **{**SIZES, **TINY[model_type]}).to_json_file(folder / "config.json")
     return str(folder)
 
@@ -212,16 +215,18 @@ def _model(point: dict, device: str = "cpu", baseline: bool = False):
 
 def kv_bytes(config, saver_generate: dict, batch: int, tokens: int, dtype: str, updates: int) -> int:
     """Bytes the cache generate() makes with `saver_generate` holds after `tokens` tokens fed in `updates` calls
-    (the prompt's, then one per decode step): every layer's keys and values as the layer keeps them."""
+    (the prompt's whole, then one per decode step): every layer's keys and values as the layer keeps them (MLA's
+    latent and rotary key; nothing for a layer that caches no token, such as a KV-sharing one)."""
     options = saver_generate.get("cache_config") or {}
     backend = options.get("backend")
+    if backend is not None and saver_generate.get("prefill_chunk_size"):
+        raise ValueError("kv_bytes counts a quantized cache whose prompt came in one update, not in chunks")
     per_token = layer_bytes_per_token(config, batch, dtype)
-    if backend is None:  # full and windowed layers; latent, shared and state-only layers as 5.x keeps them
-        windows = sliding_windows(config)
+    if backend is None:  # full and windowed layers
+        fed = tokens if updates == 1 else 1  # what the last update fed
+        layers = zip(per_token, sliding_windows(config))
         # a sliding layer also keeps its window as a 0-d int64 tensor
-        return sum(
-            n * _window_tokens(window, tokens) + 8 * (window is not None) for n, window in zip(per_token, windows)
-        )
+        return sum(n * _window_tokens(window, tokens, fed) + 8 * (window is not None) for n, window in layers)
     text = config.get_text_config(decoder=True)
     one = batch * kv_heads(text) * head_dim(text)  # elements of one token of one layer's keys (or values)
     if backend == "fp8":  # 1 byte an element; a float32 scale per tensor
@@ -231,10 +236,10 @@ def kv_bytes(config, saver_generate: dict, batch: int, tokens: int, dtype: str, 
     return text.num_hidden_layers * 2 * (packed + one * residual * element_size(dtype))
 
 
-def _window_tokens(window: int | None, tokens: int) -> int:
-    """Tokens a layer's storage holds: all of them, or a sliding layer's window (its last update's cat output: the
-    window - 1 tokens kept and the one just fed, of which a view is kept)."""
-    return tokens if window is None else min(tokens, window)
+def _window_tokens(window: int | None, tokens: int, fed: int) -> int:
+    """Tokens a layer's storage holds: all of them, or a sliding layer's last update's cat output, of which it keeps
+    a view: at most window - 1 tokens from before and the `fed` ones."""
+    return tokens if window is None else min(tokens - fed, window - 1) + fed
 
 
 def _kivi_split(tokens: int, updates: int, residual_length: int) -> tuple[int, int]:
@@ -255,6 +260,8 @@ def _packed_bytes(backend: str, elements: int, nbits: int, group: int, dtype: st
     """One quantized tensor: the packed integers and a scale and a zero point per group of `group` elements, in
     the cache's dtype. quanto packs whole rows of `group` into uint8 (rows rounded up), hqq packs a group's
     elements into group * nbits / 8 bytes (2, 4 and 8 bits)."""
+    if backend == "hqq" and nbits not in (1, 2, 4, 8):
+        raise ValueError(f"kv_bytes counts hqq's 1, 2, 4 and 8 bits, not {nbits} (3 bits pack into padded int32)")
     groups = math.ceil(elements / group)
     data = math.ceil(groups * nbits / 8) * group if backend == "quanto" else groups * group * nbits // 8
     return data + 2 * groups * element_size(dtype)
@@ -300,17 +307,16 @@ def _tensors(value, depth: int = 0):
 
 
 def measure(model, ids, new: int, options: dict) -> dict:
-    """transformers' own generate() with `options`: its peak (weights included), the KV its cache ends with, the
-    new tokens, and each forward's peak."""
+    """transformers' own generate() with `options`: its peak (weights included), the KV its cache ends with, and
+    the new tokens."""
     run = generate_call(model, ids, new, return_dict_in_generate=True, **options)
-    peak, forwards = metered(run, model)
+    peak, _ = metered(run, model)
     with torch.no_grad():
         out = run()
     return dict(
         peak=weight_bytes(model) + peak,
         kv=cache_storage_bytes(cache_from_outputs(out)),
         tokens=out.sequences[:, ids.shape[1] :],
-        forwards=forwards,
     )
 
 
@@ -345,6 +351,11 @@ def generate_cache(model, options: dict):
 def dry_run_peak(model, new: int, batch: int, prompt: int, options: dict) -> int:
     """The peak (weights included) of kvlab's v5 loop on the meta device (`model` built there), decoding into
     generate_cache(options), the prompt's forward in `prefill_chunk_size` chunks where asked."""
+    return weight_bytes(model) + dry_run(model, new, batch, prompt, options).overhead_bytes
+
+
+def dry_run(model, new: int, batch: int, prompt: int, options: dict):
+    """dry_run_peak's run: the meter's report (its timeline: each step's peak above the weights and inputs)."""
     from .loops import generate
 
     ids = torch.empty((batch, prompt), dtype=torch.long, device="meta")
@@ -356,16 +367,29 @@ def dry_run_peak(model, new: int, batch: int, prompt: int, options: dict) -> int
             past=generate_cache(model, options),
             prefill_chunk=options.get("prefill_chunk_size"),
         )
-    return weight_bytes(model) + meter.report().overhead_bytes
+    return meter.report()
 
 
-def offloaded_peak(config, baseline_peak: int, batch: int, tokens: int, dtype: str) -> int:
-    """Our reading of transformers' offloading (Cache.update, prefetch, offload): at the baseline's peak, in one
-    layer's update, the accelerator keeps that layer's keys and values and the next one's (prefetched); every
-    other full-attention layer's are on the CPU."""
-    per_layer = [n * tokens for n, window in zip(layer_bytes_per_token(config, batch, dtype), sliding_windows(config))
+def offloaded_peak(config, report, batch: int, prompt: int, tokens: int, dtype: str) -> int:
+    """Our reading of transformers' offloading (Cache.update, prefetch, offload), from the baseline's dry run
+    (`report`): in a layer's update the accelerator keeps that layer's keys and values and the next one's
+    (prefetched; after the last layer, the first); every other full-attention layer's are on the CPU. The peak is
+    the larger of the prompt's step and the last step, each less the layers away at that length."""
+    per_layer = [n for n, window in zip(layer_bytes_per_token(config, batch, dtype), sliding_windows(config))
                  if window is None]  # fmt: skip
-    return baseline_peak - sum(sorted(per_layer)[: max(len(per_layer) - 2, 0)])
+    away = sum(sorted(per_layer)[: max(len(per_layer) - 2, 0)])  # bytes per token on the CPU
+    first, last = report.timeline[0], report.timeline[-1]
+    return report.baseline_bytes + max(first.peak_bytes - away * prompt, last.peak_bytes - away * tokens)
+
+
+def offloaded_kv_bytes(config, batch: int, tokens: int, dtype: str) -> int:
+    """What stays on the accelerator when generate() returns, by the same reading: the first layer (prefetched by
+    the last layer's update) and the sliding layers, which are not offloaded. The rest is on the CPU, not saved."""
+    per_layer = layer_bytes_per_token(config, batch, dtype)
+    windows = sliding_windows(config)
+    full = [i for i, window in enumerate(windows) if window is None]
+    kept = [i for i, window in enumerate(windows) if window is not None] + full[:1]
+    return sum(per_layer[i] * _window_tokens(windows[i], tokens, 1) for i in kept)
 
 
 # -- one saver's row --------------------------------------------------------------------------------------------
@@ -385,9 +409,9 @@ def row(name: str, point: dict | None = None) -> dict:
     return dict(
         saver=name,
         preset=point["preset"],
-        overrides=_text(point["overrides"]),
-        baseline=_text(point.get("baseline") or {}) or "the same model, generate()'s default cache",
-        generate=_text(options),
+        overrides=options_text(point["overrides"]),
+        baseline=options_text(point.get("baseline") or {}) or "the same model, generate()'s default cache",
+        generate=options_text(options),
         **{key: point[key] for key in ("batch", "prompt", "new", "dtype")},
         weights_bytes=weight_bytes(model),
         kv_baseline_bytes=before["kv"],
@@ -440,16 +464,16 @@ def predicted(name: str, point: dict) -> dict:
     options, new, batch, dtype = point["generate"], point["new"], point["batch"], point["dtype"]
     tokens = point["prompt"] + new - 1  # the last new token is never fed back; one update per forward
     meta, base = _model(point, "meta"), _model(point, "meta", baseline=True)
-    key = _key(point, "predicted")
-    if key not in _BASELINES:
-        _BASELINES[key] = dry_run_peak(base, new, batch, point["prompt"], {})
-    peak_base = _BASELINES[key]
-    kv_base = kv_bytes(base.config, {}, batch, tokens, dtype, new)
     if name in BASELINE_NOT_RUN:  # MLA: the latent against each head's K and V
         kv_base, peak_base = per_head_kv_bytes(meta.config, batch, tokens, dtype), None
+    else:
+        key = _key(point, "predicted")
+        if key not in _BASELINES:
+            _BASELINES[key] = dry_run(base, new, batch, point["prompt"], {})
+        kv_base, peak_base = kv_bytes(base.config, {}, batch, tokens, dtype, new), _BASELINES[key].peak_bytes
     if name == "offloaded":
-        peak = offloaded_peak(meta.config, peak_base, batch, tokens, dtype)
-        kv = kv_base * 2 // meta.config.num_hidden_layers
+        peak = offloaded_peak(meta.config, _BASELINES[key], batch, point["prompt"], tokens, dtype)
+        kv = offloaded_kv_bytes(meta.config, batch, tokens, dtype)
     else:
         peak = dry_run_peak(meta, new, batch, point["prompt"], options)
         kv = kv_bytes(meta.config, options, batch, tokens, dtype, new)
@@ -465,6 +489,7 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> float:
     return round((a == b).float().mean().item(), 3)
 
 
-def _text(values: dict) -> str:
+def options_text(values: dict) -> str:
+    """generate()'s options (or config overrides) as one line: key=value, dicts and lists as JSON."""
     return " ".join(f"{key}={json.dumps(value) if isinstance(value, (dict, list)) else value}"
                     for key, value in values.items())  # fmt: skip

@@ -80,11 +80,12 @@ def saver_options(name: str) -> dict:
 
 
 def saver_answers(question: str = SAVER_QUESTION, new: int = SAVER_TOKENS, names=LOSSY) -> list[dict]:
-    """SmolLM2-135M-Instruct's greedy answer (fp32, transformers' own generate()) with its default cache and with
-    each lossy saver of `names`: the text, the share of positions that decode the default's token, the first
-    position that does not."""
+    """SmolLM2-135M-Instruct's greedy answer (fp32, transformers' own generate(), at most `new` tokens, to the end
+    of its turn) with its default cache and with each lossy saver of `names`: the text, the share of the default
+    answer's positions that decode its token, the first position that does not (None: none)."""
     from .explain import generate_call
     from .models import build_model
+    from .savers import options_text
 
     model = build_model(PRESET, dtype="float32")
     ids = chat_ids(question)
@@ -92,16 +93,33 @@ def saver_answers(question: str = SAVER_QUESTION, new: int = SAVER_TOKENS, names
     for name in ("default", *names):
         options = {} if name == "default" else saver_options(name)
         with torch.no_grad():
-            tokens = generate_call(model, ids, new, **options)()[0, ids.shape[1] :]
-        same = tokens == rows[0]["ids"] if rows else torch.ones_like(tokens, dtype=torch.bool)
+            tokens = _answer(generate_call(model, ids, new, **options)()[0, ids.shape[1] :])
+        default = rows[0]["ids"] if rows else tokens
+        same = torch.zeros(len(default), dtype=torch.bool)
+        n = min(len(tokens), len(default))
+        same[:n] = tokens[:n] == default[:n]
         rows.append(
             dict(
                 saver=name,
-                generate=" ".join(f"{key}={value}" for key, value in options.items()),
+                generate=options_text(options),
                 same_tokens=round(same.float().mean().item(), 3),
-                first_difference=int((~same).nonzero()[0]) if not same.all() else None,
+                first_difference=_first_difference(same, len(tokens), len(default)),
                 text=decode(tokens),
                 ids=tokens,
             )
         )
     return [{key: value for key, value in row.items() if key != "ids"} for row in rows]
+
+
+def _first_difference(same: torch.Tensor, length: int, default: int) -> int | None:
+    """The first position whose token differs from the default answer's, or where one answer ends before the other;
+    None where both are the same."""
+    if not same.all():
+        return int((~same).nonzero()[0])
+    return None if length == default else min(length, default)
+
+
+def _answer(tokens: torch.Tensor) -> torch.Tensor:
+    """The new tokens up to the end of the assistant's turn (generate_call decodes a fixed number past it)."""
+    ends = (tokens == tokenizer().eos_token_id).nonzero()
+    return tokens[: int(ends[0])] if len(ends) else tokens

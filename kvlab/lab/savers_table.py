@@ -12,7 +12,7 @@ import torch
 from .. import savers
 from .store import append_run, prepare_folder
 
-BACKENDS = ("optimum-quanto", "hqq")  # the packages the quantized caches run on (the extra `savers`)
+BACKENDS = {"quanto": "optimum-quanto", "hqq": "hqq"}  # the packages the quantized caches run on (extra `savers`)
 
 
 def check_names(names) -> list[str]:
@@ -23,10 +23,14 @@ def check_names(names) -> list[str]:
     return names
 
 
-def backend_versions() -> dict:
-    """The installed version of each backend package; a missing one is refused with how to install it."""
+def backend_versions(names=None) -> dict:
+    """The installed version of each backend package the savers `names` run on (all of them if None); a missing
+    one is refused with how to install it."""
+    wanted = [savers.SAVERS[name]["generate"].get("cache_config", {}).get("backend") for name in names or []]
     versions = {}
-    for package in BACKENDS:
+    for backend, package in BACKENDS.items():
+        if names is not None and backend not in wanted:
+            continue
         try:
             versions[package] = version(package)
         except PackageNotFoundError:
@@ -38,7 +42,7 @@ def write_savers(names, out, command: str) -> None:
     """Measure and predict the savers `names` and store their rows in OUT/savers.csv (a saver's row replaces its
     stored one; SAVERS' order kept); `command` is what provenance.json logs for the run."""
     names = check_names(names)
-    versions = backend_versions()
+    versions = backend_versions(names)
     import pandas as pd
     from tqdm.auto import tqdm
 

@@ -211,3 +211,44 @@ def kv_only_plan(prediction: dict, context: int) -> dict:
         "max_batch": room // (per_token * prediction["num_beams"] * (prediction["prompt"] + prediction["new"])),
         "max_new": min(room // (per_token * sequences), context) - prediction["prompt"],
     }
+
+
+def savers_summary(table: pd.DataFrame) -> pd.DataFrame:
+    """kvlab.savers' stored rows (data/today/savers.csv) as lesson 08 shows them, one per saver: the KV it saves
+    (share of the baseline's KV) and the peak it saves (share of the baseline's peak above the weights), measured
+    and predicted; for a twin, what its full-size model's whole peak saves (predicted); where the saver's peak
+    falls and the largest storage there that is not the cache (kvlab.explain). "–": not run (see the row's note)."""
+    rows = []
+    for _, row in table.fillna({"peak_op": "", "transient": "", "overrides": ""}).iterrows():
+        above = row["peak_baseline_bytes"] - row["weights_bytes"]
+        rows.append(
+            {
+                "saver": row["saver"],
+                "model": f"{row['preset']} {row['overrides']}".strip(),
+                "KV saved": _mib(row["kv_saved_bytes"], row["kv_baseline_bytes"]),
+                "KV saved, predicted": _mib(row["kv_saved_predicted_bytes"]),
+                "peak saved": _mib(row["peak_saved_bytes"], above),
+                "peak saved, predicted": _mib(row["peak_saved_predicted_bytes"]),
+                "full size: peak saved, predicted": _mib(
+                    row["full_peak_saved_predicted_bytes"], row["full_peak_baseline_predicted_bytes"]
+                ),
+                "the saver's peak, and the largest storage there beside the cache": _peak_holder(row),
+            }
+        )
+    return pd.DataFrame(rows)
+
+
+def _mib(value, of=None) -> str:
+    """MiB with 2 decimals, and the share of `of` where given; "–" for a side not run."""
+    if pd.isna(value):
+        return "–"
+    return f"{value / 2**20:,.2f} MiB" + ("" if of is None or pd.isna(of) else f" ({value / of:.0%})")
+
+
+def _peak_holder(row) -> str:
+    """ "forward 199, Fp8QuantizedLayer._dequantize: aten.mul.Tensor: out float32[1, 32, 499, 4]" from the row."""
+    if not row["peak_op"]:
+        return "–"
+    where = row["peak_op"].split(" in ", 1)[1].split(" (")[0]
+    holder = row["transient"].split("; ")[0].rsplit(" ", 2)[0]  # without its "N B"
+    return f"forward {int(row['peak_forward'])}, in {where}: {holder}"
