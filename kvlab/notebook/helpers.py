@@ -246,7 +246,8 @@ def _mib(value, of=None) -> str:
 
 
 def _peak_holder(row) -> str:
-    """ "forward 199, Fp8QuantizedLayer._dequantize: aten.mul.Tensor: out float32[1, 32, 499, 4]" from the row."""
+    """The row's peak and the largest storage there beside the cache, e.g. "forward 199, in
+    Fp8QuantizedLayer._dequantize: aten.mul.Tensor: args[0] float32[1, 32, 499, 4]"."""
     if not row["peak_op"]:
         return "–"
     where = row["peak_op"].split(" in ", 1)[1].split(" (")[0]
