@@ -366,6 +366,7 @@ def dry_run(model, new: int, batch: int, prompt: int, options: dict):
             new,
             past=generate_cache(model, options),
             prefill_chunk=options.get("prefill_chunk_size"),
+            meter=meter,  # told where each step ends: the report's timeline
         )
     return meter.report()
 
