@@ -242,7 +242,10 @@ def _mib(value, of=None) -> str:
     """MiB with 2 decimals, and the share of `of` where given; "–" for a side not run."""
     if pd.isna(value):
         return "–"
-    return f"{value / 2**20:,.2f} MiB" + ("" if of is None or pd.isna(of) else f" ({value / of:.0%})")
+    if of is None or pd.isna(of):
+        return f"{value / 2**20:,.2f} MiB"
+    share = value / of
+    return f"{value / 2**20:,.2f} MiB ({share:.0%})" if abs(share) >= 0.1 else f"{value / 2**20:,.2f} MiB ({share:.1%})"
 
 
 def _peak_holder(row) -> str:
