@@ -14,6 +14,7 @@ from kvlab.lab.predict import predict
 from kvlab.lab.reference import measure_references
 from kvlab.loops import LOOPS, generate
 from kvlab.models import assert_varied, build_model, final_kv_bytes, layer_kinds, random_prompt
+from kvlab.savers import TINY
 from kvlab.schema import DEFAULTS
 
 SIZES = dict(
@@ -50,20 +51,7 @@ RUN = {  # model_type: what its config needs beyond SIZES to be tiny, valid and 
         head_dim=16,
     ),
     # multi-head latent attention: 5.x caches the latent and the rotary key, one "head" each
-    "deepseek_v3": dict(
-        num_key_value_heads=4,
-        kv_lora_rank=32,
-        q_lora_rank=32,
-        qk_rope_head_dim=8,
-        qk_nope_head_dim=16,
-        v_head_dim=16,
-        n_routed_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        first_k_dense_replace=1,
-        n_group=1,
-        topk_group=1,
-    ),
+    "deepseek_v3": TINY["deepseek_v3"],  # kvlab.savers' tiny MLA config (the same values)
     # linear attention (conv and recurrent state) beside full attention, MoE
     "qwen3_next": dict(
         layer_types=["linear_attention", "full_attention"],
