@@ -9,7 +9,9 @@ Measured: transformers' own generate() with the saver and without it (the baseli
 cache) under the live-storage meter (kvlab.waste.metered); the KV is every storage the returned cache holds.
 Predicted, before anything is allocated: the KV from the shapes (`kv_bytes`: what the saver's layers keep, read in
 transformers' and the backends' code), the peak by a dry run: kvlab's v5 loop on the meta device with the cache
-generate() would make, every step (as `predict --dry-run` runs a design).
+generate() would make, every step (as `predict --dry-run` runs a design). For a twin, the same predictions for its
+full-size model (`FULL_SIZE`, on meta). `same_tokens`: the share of new tokens equal to the baseline's, on random
+weights (kvlab.text.saver_answers has real text).
 """
 
 from __future__ import annotations
