@@ -79,9 +79,12 @@ test-all: $(READY) $(LEGACY) $(OLDEST) $(NEWEST)
 	$(call RELEASE_TEST,oldest)
 	$(call RELEASE_TEST,newest)
 
-# JupyterLab on the notebooks, which name the kvlab kernel registered above.
+# JupyterLab on the notebooks, which name the kvlab kernel registered above; on this machine's loopback only. As
+# root (containers, Colab-like machines) Jupyter refuses to start without --allow-root: passed when root runs it.
+# LAB_ARGS: more of Jupyter's own options (make lab LAB_ARGS="--port 8899 --no-browser").
+ROOT_USER := $(filter 0,$(shell id -u))
 lab: $(READY)
-	$(BIN)/jupyter lab notebooks/
+	$(BIN)/jupyter lab notebooks/ --ServerApp.ip=127.0.0.1 $(if $(ROOT_USER),--allow-root) $(LAB_ARGS)
 
 clean:
 	rm -rf $(VENV) .legacy-tf .legacy-tf-4.42 .tf-oldest .tf-newest results

@@ -56,6 +56,7 @@ TABLE = [
     ("kv_at_peak_bytes", "  KV cache, at the peak"),
     ("logits_at_peak_bytes", "  logits, at the peak"),
     ("other_at_peak_bytes", "  the rest, at the peak"),
+    ("kernels_at_peak_bytes", "  inside kernels (the allocator alone saw it), at the peak"),
     ("predicted_overhead_bytes", "overhead predicted (kvlab.theory)"),
     ("kv_final_bytes", "final KV cache"),
     ("reserved_peak_bytes", "reserved by the CUDA allocator, peak"),
@@ -100,7 +101,8 @@ def format_record(r: dict) -> str:
     width = max(len(label) for label, _ in rows)
     facts = [f"overhead / final KV {r['overhead_over_kv']:.3f}"] if r["overhead_over_kv"] is not None else []
     if r.get("prediction_error") is not None:
-        facts.append(f"theory off by {100 * r['prediction_error']:+.2f} %")
+        basis = " of the tensors counted" if r["meter"] == "cpu-allocator" else ""  # kernels' own scratch aside
+        facts.append(f"theory off by {100 * r['prediction_error']:+.2f} %{basis}")
     if r.get("tokens_per_s"):
         facts.append(f"{r['tokens_per_s']:.1f} tokens/s ({r['seconds']:.2f} s, an unmetered run)")
     return "\n".join(
@@ -140,13 +142,44 @@ def cmd_predict(args) -> None:
 
 def cmd_explain(args) -> None:
     options = {key: getattr(args, key) for key in (*EXPLAIN_DEFAULTS, "generate_of", "step")}
+    check_explain(options, args.override or None)
     print(explain_point(overrides=args.override or None, **options).format())
 
 
-def cmd_compare(args) -> None:
-    from .compare import run_compare
+def check_explain(options: dict, overrides) -> None:
+    """explain's point checked as any point is (sizes, a decoder, its cache) and, since it runs for real on this
+    CPU, refused when predicted not to fit in its free memory: one line, before a model is built."""
+    from .lab.params import normalize
+    from .lab.predict import TooBig, check_fits
 
-    run_compare(**{key: getattr(args, key) for key in ("device", "preset", "out", "new", "batch", "prompt", "dtype")})
+    point = {key: options[key] for key in ("preset", "batch", "prompt", "new", "dtype", "seed")}
+    if options["generate_of"] == "kvlab":  # another generate() brings its own cache
+        point.update(cache=options["cache"], loop=options["loop"])
+    if options["step"] is not None and options["step"] < 0:
+        raise ValueError(f"--step must be 0 (the prompt's forward) or more, got {options['step']}")
+    try:
+        check_fits(normalize(**point, overrides=overrides, device="cpu"))
+    except TooBig as error:
+        why = str(error).partition("; pass --force")[0]  # explain has no --force: it would run out of memory
+        raise ValueError(f"{why}; explain runs on the CPU: give smaller sizes") from None
+
+
+def cmd_compare(args) -> None:
+    from .compare import NothingMeasured, run_compare
+
+    try:
+        table = run_compare(
+            **{key: getattr(args, key) for key in ("device", "preset", "out", "new", "batch", "prompt", "dtype")}
+        )
+    except NothingMeasured as error:
+        print(f"kvlab compare: {error}", file=sys.stderr)
+        sys.exit(1)
+    if table.attrs["not_ok"]:
+        print(
+            f"kvlab compare: {table.attrs['not_ok']} point(s) not ok (above); the table shows the rest",
+            file=sys.stderr,
+        )
+        sys.exit(1)
 
 
 def cmd_sweep(args) -> None:
@@ -208,7 +241,7 @@ def _sweep(args) -> None:
             + (f"; each cell of a point may run {timeout} s" if timeout else "")
         )
         return
-    run_sweep(
+    table = run_sweep(
         points,
         out,
         notebook=args.notebook,
@@ -218,6 +251,20 @@ def _sweep(args) -> None:
         point_timeout=timeout,
         **engine_options,
     )
+    _exit_on_failures(table, {point_id(params) for params in points}, out)
+
+
+def _exit_on_failures(table, ids: set[str], out: Path) -> None:
+    """Exit 1, with a count, when any of the sweep's points is not ok in the folder: a script can trust 0."""
+    not_ok = table[table["point_id"].isin(ids) & (table["status"] != "ok")]
+    if len(not_ok):
+        counts = ", ".join(f"{n} {status}" for status, n in not_ok["status"].value_counts().items())
+        print(
+            f"kvlab sweep: {len(not_ok)} of {len(ids)} points not ok ({counts}); see {out / 'summary.md'}, "
+            f"and rerun the same command to retry them",
+            file=sys.stderr,
+        )
+        sys.exit(1)
 
 
 def cmd_waste(args) -> None:

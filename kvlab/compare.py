@@ -20,6 +20,10 @@ from .models import resolve_device
 ANALYSIS_NOTEBOOK = PROJECT_DIR / "notebooks" / "03_analysis.ipynb"
 
 
+class NothingMeasured(RuntimeError):
+    """Every point of the comparison failed: no table, no figure (the failures are printed, one line each)."""
+
+
 def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
     # The notebooks extra (papermill, the plots' matplotlib and seaborn) before the sweep, not after its minutes.
     import papermill
@@ -32,11 +36,15 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
     fixed.update(device=device, **{k: v for k, v in dict(preset=preset, **sizes).items() if v is not None})
     if sizes.get("new") is not None:
         grid.pop("new", None)
-    out = Path(out or f"results/compare-{datetime.datetime.now():%Y%m%d-%H%M%S}")
+    # Against the caller's folder, before anything runs: the points' kernels run in the project's.
+    out = Path(out or f"results/compare-{datetime.datetime.now():%Y%m%d-%H%M%S}").absolute()
     # run_sweep validates every point before anything runs: a bad input is refused with no folder made.
     results = run_sweep(expand(fixed, grid), out, command="python -m kvlab compare")
-    for _, row in results[results["status"] != "ok"].iterrows():
+    not_ok = results[results["status"] != "ok"]
+    for _, row in not_ok.iterrows():
         print(f"{row['status']}: {row['cache']}/{row['loop']} new={row['new']}: {row['error']}")
+    if len(not_ok) == len(results):
+        raise NothingMeasured(f"every point failed ({len(results)}; each above); nothing to compare in {out}")
     table, longest = comparison_table(results), longest_ok(results)
 
     figures = {out / "compare.png": plots.compare_figure(longest)}
@@ -78,4 +86,5 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
         f"analysis notebook (executed): {analysis}",
         sep="\n",
     )
+    table.attrs["not_ok"] = len(not_ok)  # the command line's exit status: 1 if any point failed
     return table

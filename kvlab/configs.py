@@ -220,6 +220,30 @@ def _local_config(source: str):
         raise ValueError(f"{file}: transformers refuses this config ({one_line(error)})") from None
 
 
+def check_decoder(config, source: str) -> None:
+    """Refuse, in one line, a config kvlab cannot decode with: an encoder-decoder (notebook 06 serves those), an
+    encoder-only model such as BERT (it reads text and generates none: its causal-LM head is a decoder only when
+    built as one, with is_decoder) and a model with no causal LM at all, such as a vision model (ViT)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+    )
+
+    kind = config.model_type
+    if config.is_encoder_decoder:
+        raise ValueError(
+            f"{source} is an encoder-decoder model: measure, predict, compare and sweep run decoders; "
+            "notebook 06 serves them (kvlab.encdec)"
+        )
+    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        why = f"{source} is an encoder-only model ({kind}): it reads text and generates none"
+    elif kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        why = f"{source} is not a text decoder ({kind}: transformers has no causal language model of it)"
+    else:
+        return
+    raise ValueError(f"{why}; kvlab measures generation: give a decoder, one of the presets {', '.join(DECODERS)}")
+
+
 def load_config(source: str, overrides=None):
     """A config from a preset name, a local config.json (or its folder), or a hub id (local cache first, then the
     hub if it can be reached); overrides checked and applied."""

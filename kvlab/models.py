@@ -86,8 +86,9 @@ def instantiate(config, dtype: torch.dtype):
 
     try:
         return model_class(config).from_config(config, dtype=dtype)
-    # e.g. hidden_act=nope: KeyError 'nope' from the layers; a pad_token_id beyond the vocabulary: AssertionError
-    except (KeyError, ValueError, TypeError, AssertionError) as error:
+    # e.g. hidden_act=nope: KeyError 'nope' from the layers; a pad_token_id beyond the vocabulary: AssertionError;
+    # a value the layers read and the config lacks (DBRX's attn_config without rope_theta): AttributeError
+    except (KeyError, ValueError, TypeError, AssertionError, AttributeError) as error:
         raise ValueError(
             f"transformers cannot build a {config.model_type} model from this config "
             f"({type(error).__name__}: {one_line(error)})"

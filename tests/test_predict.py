@@ -14,7 +14,7 @@ from kvlab.cli import main
 from kvlab.configs import build_config
 from kvlab.lab.params import normalize
 from kvlab.lab.point import measure
-from kvlab.lab.predict import GIB, TooBig, parse_bytes
+from kvlab.lab.predict import GIB, TooBig, largest_batch, parse_bytes
 from kvlab.schema import DESIGNS
 
 LLAMA_PR_POINT = ["--preset", "llama2-7b", "--dtype", "bfloat16", "--batch", "8", "--prompt", "300", "--new", "500"]
@@ -29,6 +29,7 @@ def no_model(monkeypatch):
         raise AssertionError("a model was built")
 
     monkeypatch.setattr(kvlab.models, "build_model", refuse)
+    monkeypatch.setattr(kvlab.lab.point, "build_model", refuse)  # the name measure calls
 
 
 def predict_output(capsys, *args):
@@ -214,11 +215,12 @@ def test_a_sliding_cache_plateaus_at_the_window_where_the_4x_loops_grow_it_in_fu
     assert cache["tuple", "v4.40"] / GIB == pytest.approx(1.01, abs=0.005)
 
 
-def test_overhead_is_the_batch_times_that_of_batch_one():
-    """What --max-batch relies on: every byte kvlab.theory counts belongs to one sequence (or beam)."""
+def test_overhead_is_the_batch_times_that_of_batch_one_where_every_byte_is_a_sequences():
+    """--max-batch's first guess: without a sliding mask every byte kvlab.theory counts belongs to one sequence (or
+    beam); 4.42 built a sliding mask for every sequence too, from the mask of ones it passed."""
     for preset, point in (
         ("mistral-7b-v0.1-twin", dict(prompt=300, new=200)),
-        ("gemma-3-4b", dict(prompt=2000, new=50, strategy="beam")),
+        ("gemma-3-4b", dict(prompt=2000, new=50, strategy="beam", loop="v4.42")),
         ("llama2-7b", dict(prompt=300, new=100, cache="tuple", loop="v4.40")),
     ):
         config = build_config(preset)
@@ -285,3 +287,13 @@ def test_a_kv_only_planner_counts_the_weights_and_the_textbook_kv():
     room = 40 * GIB - plan["weights_bytes"]
     assert kv_only["max_batch"] == room // (per_token * (4096 + 2048))
     assert kv_only["max_new"] == 8192 - 4096  # memory would allow more: the context ends first
+
+
+@pytest.mark.parametrize("shared", [0, 5_000, 250_000])
+def test_largest_batch_is_the_largest_that_fits_with_bytes_shared_by_every_sequence(shared):
+    """A term built once for every sequence (5.x's sliding mask) makes the batch-1 quotient a guess: the search
+    still lands on the largest batch that fits, checked against every batch in turn."""
+    overhead = lambda design: 1_000 * design["batch"] + shared * (design["batch"] > 0)  # noqa: E731
+    for room in (999, 1_000 + shared, 37_123 + shared, 10**6):
+        fits = [batch for batch in range(0, 2_000) if overhead(dict(batch=batch)) <= room]
+        assert largest_batch(overhead, {}, room) == max(fits), room

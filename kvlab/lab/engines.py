@@ -16,7 +16,7 @@ from pathlib import Path
 
 from .grid import point_id, point_label, validate
 from .runner import POINT_NOTEBOOK, kernel_environment, run_one
-from .store import STATUSES, append_row, append_run, done_point_ids, load_results, prepare_folder
+from .store import STATUSES, append_row, append_run, done_point_ids, load_results, point_done, prepare_folder
 from .summary import write_summary
 
 ENGINES = ("local", "ray")
@@ -25,10 +25,25 @@ ENGINES = ("local", "ray")
 def local_engine(
     todo: list[dict], out: Path, notebook: Path, kernel_name: str | None = None, point_timeout: int | None = None
 ):
-    """Each point in turn, in a fresh kernel on this machine."""
+    """Each point in turn, in a fresh kernel on this machine; a point another sweep into the same folder has
+    completed since this one started is not run again (None in its place)."""
     with kernel_environment(todo):
         for params in todo:
-            yield run_one(params, out, notebook, kernel_name, point_timeout)
+            if point_done(out / "results.csv", point_id(params)):
+                yield None
+            else:
+                yield run_one(params, out, notebook, kernel_name, point_timeout)
+
+
+def check_kernel(kernel_name: str | None) -> None:
+    """A kernel asked for by name is one Jupyter knows, or the sweep is refused before any point runs."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    if kernel_name is None:
+        return
+    known = sorted(KernelSpecManager().find_kernel_specs())
+    if kernel_name not in known:
+        raise ValueError(f"unknown Jupyter kernel {kernel_name!r}; choose one of: {', '.join(known)}")
 
 
 def _start(engine: str, todo: list[dict], out: Path, notebook: Path, kernel_name, point_timeout, options: dict):
@@ -63,11 +78,13 @@ def run_sweep(
         raise ValueError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
     command = command or f"kvlab.lab.engines.run_sweep({points!r}, {str(Path(out))!r})"
     points = validate(points, devices_here=engine == "local")
-    notebook = Path(notebook or POINT_NOTEBOOK)
-    if not notebook.exists():
+    notebook = Path(notebook or POINT_NOTEBOOK).absolute()
+    if not notebook.is_file():
         raise ValueError(f"point notebook {notebook} not found; pass notebook= (or --notebook)")
+    if engine == "local":
+        check_kernel(kernel_name)
 
-    out = Path(out)
+    out = Path(out).absolute()  # each point's kernel runs in the project folder, not the caller's
     prepare_folder(out)  # a folder that cannot be written is refused before any point runs
     results = out / "results.csv"
     done = done_point_ids(results)  # the table checked against the records, rebuilt if damaged
@@ -80,7 +97,7 @@ def run_sweep(
         )
     if not todo:  # a finished sweep: no engine is started (a local Ray instance takes seconds)
         return load_results(results)
-    counts = dict.fromkeys(STATUSES, 0)
+    counts = dict.fromkeys([*STATUSES, "done elsewhere"], 0)
     started = datetime.datetime.now(datetime.timezone.utc)
     options = {key: value for key, value in engine_options.items() if value is not None}
     rows = _start(engine, todo, out, notebook, kernel_name, point_timeout, options)
@@ -91,13 +108,17 @@ def run_sweep(
             contextlib.closing(rows),
         ):
             for row in rows:  # in the order the points end
+                bar.update()
+                if row is None:  # completed by another sweep into this folder meanwhile
+                    counts["done elsewhere"] += 1
+                    continue
                 append_row(results, row)
                 counts[row["status"]] += 1
-                bar.update()
                 bar.set_postfix_str(f"{row['cache']}/{row['loop']} b{row['batch']} p{row['prompt']} n{row['new']}")
                 if row["status"] != "ok":
                     bar.write(f"{row['status']}: {point_label(row)}: {row['error']}")
     finally:  # an interrupted run is logged too, with what it managed
+        counts = {status: n for status, n in counts.items() if n or status in STATUSES}
         if any(counts.values()):
             append_run(
                 out,
@@ -112,7 +133,8 @@ def run_sweep(
             )
     if progress:
         print(
-            f"{results}: " + ", ".join(f"{n} {status}" for status, n in counts.items()) + " this run", file=sys.stderr
+            f"{results}: " + ", ".join(f"{n} {status}" for status, n in counts.items()) + " this run",
+            file=sys.stderr,
         )
     table = load_results(results)
     write_summary(table, out / "summary.md", f"Sweep {out.name}")

@@ -3,14 +3,53 @@ allocated. `measure`, `predict`, the CLI and every sweep call `normalize` first.
 
 from __future__ import annotations
 
+import numbers
+
 import torch
 
 from ..caches import CACHES, check_layers
-from ..configs import load_config, parse_overrides
+from ..configs import check_decoder, load_config, parse_overrides
 from ..graphs import RUNTIMES, check_runtime
 from ..loops import LOOPS, STRATEGIES, check_choice
 from ..models import check_device, parse_dtype, resolve_device
 from ..schema import DEFAULTS, KINDS, REFERENCES, RESTART_FROM, is_true
+
+# The least and the most of each size, and why the most: past these no question kvlab answers is real, and the
+# walks over every decoding step (kvlab.theory, the meta dry run, the loop) would run for minutes or exhaust memory.
+SIZE_LIMIT = 2**24  # 16,777,216
+SIZE_WHY = "past any model's context (the longest, 10M tokens) and any batch a device holds"
+STEP_LIMIT = 2**16  # decoding steps: a prediction walks each, a few seconds per design at 65,536
+SEED_LIMIT = 2**64 - 1  # torch.manual_seed's largest
+STEP_WHY = "kvlab walks every decoding step (kvlab.theory, the meta dry run, the loop): more take minutes"
+BOUNDS = dict(
+    new=(STEP_LIMIT, STEP_WHY), restart_new=(STEP_LIMIT, STEP_WHY), seed=(SEED_LIMIT, "torch's seeds end there")
+)
+SIZES = dict(batch=1, prompt=1, new=1, num_beams=1, chunk_limit=1, block_tokens=1, restart_new=0, seed=0)
+
+
+def whole(key: str, value, least: int, most: int, why: str) -> int:
+    """`value` if it is an integer (not a bool, a float such as 2.7 or inf, a string such as "8", a list) in
+    least..most; else one line naming the value and the bound."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{key} must be {_kind(least)}, got {value!r} ({type(value).__name__})")
+    if value < least:
+        raise ValueError(f"{key} must be {_kind(least)}, got {value}")
+    if value > most:
+        raise ValueError(f"{key} must be at most {most:,}: {why}; got {value:,}")
+    return int(value)
+
+
+def _kind(least: int) -> str:
+    return "a positive integer" if least else "an integer, zero or positive"
+
+
+def check_sizes(p: dict) -> None:
+    """Every size of a point an integer within its bounds (in place), the decoding steps within STEP_LIMIT."""
+    for key, least in SIZES.items():
+        if key in p:
+            p[key] = whole(key, p[key], least, *BOUNDS.get(key, (SIZE_LIMIT, SIZE_WHY)))
+    if (steps := p.get("new", 1) + p.get("restart_new", 0)) > STEP_LIMIT:
+        raise ValueError(f"new + restart_new must be at most {STEP_LIMIT:,}: {STEP_WHY}; got {steps:,}")
 
 
 def normalize(**params) -> dict:
@@ -18,6 +57,7 @@ def normalize(**params) -> dict:
     if unknown := set(params) - set(DEFAULTS):
         raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))}; valid: {', '.join(DEFAULTS)}")
     p = {**DEFAULTS, **{k: v for k, v in params.items() if v is not None}}
+    check_sizes(p)  # integers first: the checks below compute with them
     for key, choices in (
         ("kind", KINDS),
         ("cache", CACHES),
@@ -65,10 +105,6 @@ def normalize(**params) -> dict:
             raise ValueError(
                 f"runtime {p['runtime']!r} measures kvlab's own decode (kind kvlab), on cpu or cuda, without a restart"
             )
-    for key, least in dict(batch=1, prompt=1, new=1, num_beams=1, chunk_limit=1, block_tokens=1, restart_new=0).items():
-        p[key] = int(p[key])
-        if p[key] < least:
-            raise ValueError(f"{key} must be {'a positive integer' if least else 'zero or positive'}, got {p[key]}")
     p["device"] = resolve_device(p["device"])
     check_device(p["device"])
     if p["device"] == "meta" and p["cache"] == "static" and (p["strategy"] == "beam" or p["restart_new"]):
@@ -80,11 +116,7 @@ def normalize(**params) -> dict:
     if isinstance(p["overrides"], (list, tuple, dict)):
         p["overrides"] = ",".join(f"{k}={v}" for k, v in parse_overrides(p["overrides"]).items())
     config = load_config(p["preset"], p["overrides"])  # raises on a bad preset, key or size, or a hub id not to be had
-    if config.is_encoder_decoder:
-        raise ValueError(
-            f"{p['preset']} is an encoder-decoder model: measure, predict, compare and sweep run decoders; "
-            "notebook 06 serves them (kvlab.encdec)"
-        )
+    check_decoder(config, p["preset"])
     if p["kind"] == "kvlab":
         check_layers(config, p["cache"])
     if p["track_storages"] == "auto":

@@ -50,14 +50,22 @@ class TooBig(ValueError):
     """A point whose predicted peak exceeds the free memory of its device."""
 
 
+MAX_MEMORY = 2**60  # 1 EiB: more than any machine has, and a float's bytes stay exact below it
+
+
 def parse_bytes(text) -> int:
-    """`"24GiB"`, `"22.5 GB"`, `"512MiB"`, `"1000000"` (bytes) → bytes."""
+    """`"24GiB"`, `"22.5 GB"`, `"512MiB"`, `"1000000"` (bytes) → bytes, from 1 byte to MAX_MEMORY."""
     match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-z]*)\s*", str(text).lower())
-    size = int(float(match.group(1)) * UNITS[match.group(2)]) if match and match.group(2) in UNITS else None
-    if not size:
+    try:
+        size = float(match.group(1)) * UNITS[match.group(2)] if match and match.group(2) in UNITS else None
+    except ValueError:  # "1.2.3": digits and dots, not a number
+        size = None
+    if size is not None and size > MAX_MEMORY:
+        raise ValueError(f"memory size {text!r} is more than 1 EiB (2**60 bytes), more than any machine has")
+    if not size or int(size) < 1:
         why = "not understood" if size is None else "is not positive"
         raise ValueError(f"memory size {text!r} {why}; give a number and one of: GiB, GB, MiB, MB, bytes")
-    return size
+    return int(size)
 
 
 def format_bytes(n: int) -> str:
@@ -103,16 +111,21 @@ def largest_new(fits, limit: int) -> int:
 
 
 def largest_batch(predict_overhead, design: dict, room: int) -> int:
-    """The largest batch whose predicted overhead (`predict_overhead(design)`) fits in `room` bytes: the batch-1
-    overhead divides the room (a term that is not per sequence, like the flash scratch, makes that a slight
-    underestimate), then the batches next to it are checked."""
+    """The largest batch whose predicted overhead (`predict_overhead(design)`) fits in `room` bytes. The batch-1
+    overhead dividing the room is the first guess (exact where every byte is per sequence; terms that are not, the
+    flash scratch, a mask 5.x builds once for every sequence, move it), then a doubling and a bisection: the
+    overhead grows with the batch, so a few walks find it."""
     overhead = lambda batch: predict_overhead(dict(design, batch=batch))  # noqa: E731
-    batch = max(0, room // overhead(1))
-    while batch and overhead(batch) > room:
-        batch -= 1
-    while overhead(batch + 1) <= room:
-        batch += 1
-    return batch
+    if overhead(1) > room:
+        return 0
+    low = max(1, room // overhead(1))
+    high = low + 1
+    if overhead(low) > room:
+        low, high = 1, low
+    else:
+        while overhead(high) <= room:
+            low, high = high, 2 * high
+    return low + bisect.bisect_left(range(low + 1, high), True, key=lambda batch: overhead(batch) > room)
 
 
 def predict(

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 from .runner import kernel_environment, mark_failed, new_row, run_one
+from .store import replace_text
 
 
 def point_resources(params: dict, num_cpus: float | None = None, num_gpus: float | None = None) -> dict:
@@ -111,7 +112,7 @@ def run_on_ray(
                 try:
                     row, executed = ray.get(ref)
                     if executed is not None:
-                        (out / row["notebook"]).write_text(executed)
+                        replace_text(out / row["notebook"], executed)  # never through a link
                 except ray.exceptions.RayError as error:  # the task itself died (worker or node lost): a failure row
                     cause = getattr(error, "cause", None) or error
                     row = dict(

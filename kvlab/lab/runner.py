@@ -10,6 +10,8 @@ import contextlib
 import datetime
 import json
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -17,6 +19,7 @@ from .grid import point_id, point_label
 from .kernel import QUIET_KERNEL
 from .kernel import kernel_name as notebook_kernel  # `kvlab` where make registered it, else python3
 from .predict import TooBig, check_fits
+from .store import refuse_link
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 # The folder holding notebooks/ and data/: the checkout kvlab runs from (an editable install, make), else the copies
@@ -78,37 +81,55 @@ def run_one(
     params: dict, out: Path, notebook: Path, kernel_name: str | None = None, timeout: int | None = None
 ) -> dict:
     """Execute the point notebook for one point in a fresh kernel (into OUT/notebooks/); return its row.
-    `timeout`: seconds each cell may run (papermill's execution_timeout); past it the point is a "failed" row."""
-    import papermill
-
-    label = point_label(params)
-    executed = out / "notebooks" / f"{label}.ipynb"
-    record_path = out / "notebooks" / f"{label}.json"  # read into the row, then removed: OUT/records/ is the store's
-    record_path.unlink(missing_ok=True)
+    `timeout`: seconds each cell may run (papermill's execution_timeout); past it the point is a "failed" row.
+    The kernel writes into a folder of this writer's own, moved into place once the point has run: two sweeps
+    running one point at once never share a file, and a link planted at the notebook's name is replaced, not
+    followed."""
+    out = Path(out).absolute()  # the kernel runs in PROJECT_DIR: a relative path would land there
+    executed = out / "notebooks" / f"{point_label(params)}.ipynb"
     row = new_row(params, notebook=os.path.relpath(executed, out))
     clock = time.perf_counter()
+    private = Path(tempfile.mkdtemp(prefix=".point-", dir=executed.parent))  # new, ours alone (mode 0700)
     try:
+        refuse_link(executed)
         if not params["force"]:
             check_fits(params)  # refuse before a kernel starts and allocates
-        parameters = dict(params, record_path=str(record_path))
-        papermill.execute_notebook(
-            str(notebook),
-            str(executed),
-            parameters=parameters,
-            kernel_name=kernel_name or notebook_kernel(),
-            progress_bar=False,
-            log_output=False,
-            cwd=str(PROJECT_DIR),
-            extra_arguments=QUIET_KERNEL,
-            execution_timeout=timeout,
-        )
-        row.update(json.loads(record_path.read_text()), status="ok", error=None)
-        record_path.unlink()
+        row.update(_execute(params, private, notebook, kernel_name, timeout), status="ok", error=None)
+        os.replace(private / executed.name, executed)
     except TooBig as error:  # refused: no notebook was run
         row.update(status="too-big", error=str(error), notebook=None)
     except TimeoutError:  # nbclient's CellTimeoutError, raised by papermill's execution_timeout
         row = mark_failed(row, "TimeoutError", f"timed out after {timeout} s (a cell of the point notebook)")
+        _keep_failed_notebook(private / executed.name, executed)
     except Exception as error:  # a failed point is a row, not the end of the sweep
         row = mark_failed(row, getattr(error, "ename", type(error).__name__), getattr(error, "evalue", error))
+        _keep_failed_notebook(private / executed.name, executed)
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
     row["elapsed_s"] = round(time.perf_counter() - clock, 2)
     return row
+
+
+def _execute(params: dict, folder: Path, notebook: Path, kernel_name: str | None, timeout: int | None) -> dict:
+    """Run the point notebook with papermill into `folder` (as <label>.ipynb); return the record it wrote."""
+    import papermill
+
+    record_path = folder / f"{point_label(params)}.json"
+    papermill.execute_notebook(
+        str(notebook),
+        str(folder / f"{point_label(params)}.ipynb"),
+        parameters=dict(params, record_path=str(record_path)),
+        kernel_name=kernel_name or notebook_kernel(),
+        progress_bar=False,
+        log_output=False,
+        cwd=str(PROJECT_DIR),
+        extra_arguments=QUIET_KERNEL,
+        execution_timeout=timeout,
+    )
+    return json.loads(record_path.read_text())
+
+
+def _keep_failed_notebook(partial: Path, executed: Path) -> None:
+    """A failed point's notebook, as far as it ran, where its row says (it shows the error)."""
+    with contextlib.suppress(OSError):
+        os.replace(partial, executed)

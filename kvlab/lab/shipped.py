@@ -9,10 +9,14 @@ import yaml
 
 
 def shipped_or_path(name: str | os.PathLike, folder: Path, what: str) -> Path:
-    """`name` if it exists, else `folder/<stem>.yaml`; else a one-line error listing what `folder` ships."""
-    for path in (Path(name), folder / f"{Path(name).stem}.yaml"):
+    """`name` if it exists, else, for a bare name (no folder in it), `folder/<stem>.yaml`; else a one-line error
+    listing what `folder` ships. A path into a folder is never swapped for the shipped file of the same name."""
+    bare = Path(name).parent == Path(".")
+    for path in (Path(name), *([folder / f"{Path(name).stem}.yaml"] if bare else [])):
         if path.exists():
             return path
+    if not bare:
+        raise ValueError(f"{what} file {str(name)!r} not found (no such file); give an existing path")
     choices = ", ".join(sorted(p.stem for p in folder.glob("*.yaml")))
     raise ValueError(f"{what} file {str(name)!r} not found; give a path or one of: {choices}")
 

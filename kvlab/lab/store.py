@@ -12,6 +12,7 @@ import hashlib
 import io
 import json
 import os
+import secrets
 import shutil
 import sys
 import tempfile
@@ -37,14 +38,38 @@ def locked(path: str | os.PathLike) -> FileLock:
     return FileLock(folder / (hashlib.sha1(str(Path(path).resolve()).encode()).hexdigest()[:16] + ".lock"))
 
 
+def refuse_link(path: str | os.PathLike) -> None:
+    """A symbolic link where kvlab writes is refused: a write through it would change a file outside the folder
+    (anyone who can write the folder can plant one)."""
+    if Path(path).is_symlink():
+        raise ValueError(
+            f"{path} is a symbolic link (to {os.readlink(path)}); kvlab writes only inside its folder and never "
+            f"through a link: remove the link"
+        )
+
+
+def create_exclusive(folder: Path, prefix: str, suffix: str = ".tmp") -> tuple[int, Path]:
+    """A new file in `folder` that no other writer has (a unique name, O_EXCL: never an existing file or a link
+    planted at that name), open for writing: (descriptor, path). Permissions as the umask says, like any file."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+    while True:
+        path = folder / f".{prefix}.{os.getpid()}.{secrets.token_hex(4)}{suffix}"
+        try:
+            return os.open(path, flags, 0o666), path
+        except FileExistsError:  # another writer drew the same name: draw again
+            continue
+
+
 def replace_text(path: str | os.PathLike, text: str) -> None:
-    """Replace the whole file at once and durably (a temporary file, synced, renamed, the folder synced): a kill
-    or a full disk leaves the old file or the new one. Callers hold `locked(path)`, so no other writer shares the
-    temporary file or slips in between their read and this write."""
+    """Replace the whole file at once and durably (a temporary file of this writer's own, synced, renamed over
+    the old one, the folder synced): a kill or a full disk leaves the old file or the new one, and a rename
+    replaces a link planted at `path` instead of writing through it. Callers hold `locked(path)`, so no other
+    writer slips in between their read and this write."""
     path = Path(path)
-    temporary = path.with_name(path.name + ".tmp")
+    refuse_link(path)
+    descriptor, temporary = create_exclusive(path.parent, path.name)
     try:
-        with temporary.open("w", newline="") as handle:
+        with open(descriptor, "w", newline="") as handle:
             handle.write(text)
             handle.flush()
             os.fsync(handle.fileno())
@@ -54,11 +79,27 @@ def replace_text(path: str | os.PathLike, text: str) -> None:
         if isinstance(error, OSError):
             error.filename = str(path)  # a failed write() names no file: name the one it was replacing
         raise
-    folder = os.open(path.parent, os.O_RDONLY)
+    sync_folder(path.parent)
+
+
+def sync_folder(folder: Path) -> None:
+    """The renames in `folder` reach the disk."""
+    descriptor = os.open(folder, os.O_RDONLY)
     try:
-        os.fsync(folder)  # the rename itself reaches the disk
+        os.fsync(descriptor)
     finally:
-        os.close(folder)
+        os.close(descriptor)
+
+
+def refuse_links(out: Path, folders=("notebooks", "records")) -> None:
+    """Refuse a results folder holding a symbolic link where kvlab reads or writes (a subfolder, a file in the
+    folder or in a subfolder), before anything runs: one line naming the first."""
+    subfolders = [out / name for name in folders]
+    for link in subfolders:
+        refuse_link(link)
+    for folder in [out, *subfolders]:
+        for entry in os.scandir(folder) if folder.is_dir() else ():
+            refuse_link(entry.path)
 
 
 def prepare_folder(out: str | os.PathLike, folders=("notebooks", "records")) -> None:
@@ -66,6 +107,8 @@ def prepare_folder(out: str | os.PathLike, folders=("notebooks", "records")) -> 
     out = Path(out)
     if out.is_file():
         raise ValueError(f"{out} is a file; give a folder for the results")
+    if folders:  # a sweep's folder: checked whole, as it may be shared
+        refuse_links(out, folders)
     try:
         for folder in [out / name for name in folders] or [out]:
             folder.mkdir(parents=True, exist_ok=True)
@@ -166,14 +209,29 @@ def _write_table(path: Path, rows: list[dict], columns: list[str] = COLUMNS) -> 
     replace_text(path, text.getvalue())
 
 
-def append_row(path: str | os.PathLike, row: dict) -> None:
-    """Save one point's row in the records beside `path` (a rerun point's row replaces its earlier one),
-    then rewrite the table `path` from the records."""
+def append_row(path: str | os.PathLike, row: dict) -> dict:
+    """Save one point's row in the records beside `path` (a rerun point's row replaces its earlier one, except
+    that a failed attempt never replaces a completed one: another writer's ok row stays), then rewrite the table
+    `path` from the records. Returns the row the folder now holds for the point."""
     path = Path(path)
     with locked(path):  # another writer's row lands before our read or after our write, never in between
-        rows = [saved for saved in _rows(path) if saved["point_id"] != row["point_id"]]
+        saved = {row["point_id"]: row for row in _rows(path)}
+        kept = saved.get(row["point_id"])
+        if kept is not None and kept["status"] == "ok" and row["status"] != "ok":
+            return kept
+        saved.pop(row["point_id"], None)
         _save_row(path.parent / "records", row)
-        _write_table(path, rows + [row])  # the newest record last, as _rows reads them
+        _write_table(path, [*saved.values(), row])  # the newest record last, as _rows reads them
+        return row
+
+
+def point_done(path: str | os.PathLike, point: str) -> bool:
+    """Whether the folder of the table `path` holds an ok row for `point` (a record another writer may have saved
+    since this sweep started): read without the lock, as a record is replaced whole."""
+    try:
+        return json.loads((Path(path).parent / "records" / f"{point}.json").read_text()).get("status") == "ok"
+    except (OSError, ValueError, AttributeError):  # absent, torn or not a row: not done
+        return False
 
 
 def rebuild(path: str | os.PathLike) -> list[dict]:

@@ -20,7 +20,12 @@ MARKERS = "osD^vPX*"
 # Before and after PR #30536, as released: the ratio the PR reports.
 BASELINE, FIXED = ("tuple", "v4.40"), ("dynamic", "v4.42")
 WIDTH = 10  # inches: ≈ 1000 px at the notebooks' 100 dpi, the most a notebook shows without shrinking labels
-CATEGORY_COLORS = {"kv": "tab:blue", "logits": "tab:orange", "other": "tab:green"}  # at the peak, weights aside
+CATEGORY_COLORS = {
+    "kv": "tab:blue",
+    "logits": "tab:orange",
+    "other": "tab:green",
+    "kernels": "tab:gray",
+}  # at the peak, weights aside
 KV_LINE_STYLES = {1: ":", 2: "--", 3: "-."}
 EQUAL_PEAK = 0.005  # a timeline panel's peak within 0.5 % of its live line at every step: "peak = live"
 
@@ -728,9 +733,12 @@ def fit_figure(prediction: dict, title: str = ""):
     return fig
 
 
-def plan_widget(preset: str, dtype: str = "bfloat16", memory: str = "80GiB"):
-    """Lesson 08, live: sliders for the batch, the prompt and the new tokens, a box for the memory; each change
-    predicts again (kvlab.lab.predict) and redraws the figure. Needs a running kernel (Jupyter, Colab)."""
+def plan_widget(
+    preset: str, batch: int = 8, prompt: int = 4096, new: int = 512, dtype: str = "bfloat16", memory: str = "80GiB"
+):
+    """Lesson 08, live: sliders for the batch, the prompt and the new tokens, starting at the notebook's parameters,
+    a box for the memory; each change predicts again (kvlab.lab.predict) and redraws the figure. Needs a running
+    kernel (Jupyter, Colab)."""
     import ipywidgets as widgets
     import matplotlib.pyplot as plt
 
@@ -741,11 +749,13 @@ def plan_widget(preset: str, dtype: str = "bfloat16", memory: str = "80GiB"):
         fit_figure(result, title=f"{preset}, {dtype}: batch {batch}, prompt {prompt}, {new} new, budget {memory}")
         plt.show()
 
-    slider = lambda value, top: widgets.IntSlider(value=value, min=1, max=top, continuous_update=False)  # noqa: E731
+    def slider(value: int, top: int):
+        return widgets.IntSlider(value=value, min=1, max=max(top, value), continuous_update=False)
+
     return widgets.interact(
         draw,
-        batch=slider(8, 256),
-        prompt=slider(4096, 131072),
-        new=slider(512, 32768),
+        batch=slider(batch, 256),
+        prompt=slider(prompt, 131072),
+        new=slider(new, 32768),
         memory=widgets.Text(value=memory, continuous_update=False),
     )

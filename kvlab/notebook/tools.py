@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import argparse
 import ast
+import os
 import re
+import stat
 import sys
 from pathlib import Path
 
 import nbformat
 
 from ..lab.kernel import KERNEL, QUIET_KERNEL, kernel_name
+from ..lab.store import create_exclusive
 from .colab import SETUP_CELL, SETUP_TAG, badge
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -179,23 +182,39 @@ def table_problems(output, lesson: bool) -> list[str]:
 
 
 def execute(path: Path, output: Path | None = None, parameters: dict | None = None, kernel: str | None = None):
-    """Stamp, execute with papermill from the notebook's folder, clean; write to `output` (default: in place)."""
+    """Stamp, execute with papermill from the notebook's folder, clean; write to `output` (default: in place) only
+    once the run has succeeded: it runs in a temporary copy beside `output`, which then replaces `output` at once,
+    so a failed run (a missing kernel, a failing cell, Ctrl-C) leaves `output` byte for byte as it was."""
     import papermill
 
     path, output = Path(path), Path(output or path)
-    nbformat.write(stamp(nbformat.read(path, as_version=4), path.name), output)
-    nb = papermill.execute_notebook(
-        str(output),
-        str(output),
-        parameters=parameters or {},
-        kernel_name=kernel or kernel_name(),
-        cwd=str(path.resolve().parent),
-        progress_bar=False,
-        log_output=False,
-        extra_arguments=QUIET_KERNEL,
-    )
-    nbformat.write(clean(nb), output)
+    copy = temporary_copy(output)
+    try:
+        nbformat.write(stamp(nbformat.read(path, as_version=4), path.name), copy)
+        nb = papermill.execute_notebook(
+            str(copy),
+            str(copy),
+            parameters=parameters or {},
+            kernel_name=kernel or kernel_name(),
+            cwd=str(path.resolve().parent),
+            progress_bar=False,
+            log_output=False,
+            extra_arguments=QUIET_KERNEL,
+        )
+        nbformat.write(clean(nb), copy)
+        os.replace(copy, output)  # replaces a link at `output` itself, never the file it points to
+    finally:
+        copy.unlink(missing_ok=True)
     return nb
+
+
+def temporary_copy(output: Path) -> Path:
+    """A new file beside `output`, this run's alone (O_EXCL), with the mode `output` has (or the umask's)."""
+    descriptor, copy = create_exclusive(output.parent, output.name, ".ipynb")
+    os.close(descriptor)
+    if output.is_file():
+        os.chmod(copy, stat.S_IMODE(output.stat().st_mode))
+    return copy
 
 
 def _value(text: str):
@@ -252,6 +271,8 @@ def main(argv=None) -> int:
             print(f"stamped {path}")
             continue
         found = problems(nb, path.name)
+        if args.parameter:  # a trial run (-o) shows the parameters it was given: that is its point, not a problem
+            found = [line for line in found if "papermill's injected parameters" not in line]
         failed += bool(found)
         print(f"{args.output or path}: " + ("clean" if not found else f"{len(found)} problem(s)"))
         for line in found:

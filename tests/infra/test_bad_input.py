@@ -68,6 +68,25 @@ def cases(tmp: Path) -> list[tuple[list[str], str]]:
             ),
             (["measure", "--override", "rms_norm_eps=abc"], "refuses the overrides {'rms_norm_eps': 'abc'}"),
             (["measure", "--override", "hidden_act=nope"], "transformers cannot build a llama model from this config"),
+            # sizes: integers within bounds that say why, before anything is allocated or walked
+            (["predict", "--memory", "1e400"], "memory size '1e400' is more than 1 EiB"),
+            (["predict", "--new", "1000000000"], "new must be at most 65,536: kvlab walks every decoding step"),
+            (["explain", "--batch", "0"], "batch must be a positive integer, got 0"),
+            (["explain", "--batch", "1000000000"], "batch must be at most 16,777,216"),
+            (["explain", "--step", "-1"], "--step must be 0 (the prompt's forward) or more"),
+            (["sweep", "--grid", "batch=inf", "--dry-run"], "batch must be a positive integer, got inf (float)"),
+            (["sweep", "--grid", "batch=1.5", "--dry-run"], "batch must be a positive integer, got 1.5 (float)"),
+            (["sweep", str(tmp / "infinite.yaml"), "--dry-run"], "batch must be a positive integer, got inf (float)"),
+            (["sweep", "/nonexistent/dir/cpu-default.yaml"], "not found (no such file); give an existing path"),
+            (["sweep", "--kernel", "nope", "--out", str(tmp / "never")], "unknown Jupyter kernel 'nope'"),
+            # models that generate no text: refused in one line by every verb that builds or plans one
+            (["measure", "--preset", str(tmp / "bert")], "is an encoder-only model (bert): it reads text"),
+            (["predict", "--preset", str(tmp / "bert")], "is an encoder-only model (bert)"),
+            (["explain", "--preset", str(tmp / "bert")], "is an encoder-only model (bert)"),
+            (["predict", "--preset", str(tmp / "vit")], "is not a text decoder (vit"),
+            # a config transformers' layers cannot read, and a routing the meta device cannot follow
+            (["predict", "--preset", str(tmp / "dbrx-unbuildable")], "transformers cannot build a dbrx model"),
+            (["predict", "--preset", str(tmp / "dbrx")], "cannot follow this model's data-dependent routing"),
             # waste: its points, then its folder, both before anything runs
             (["waste", "7b-nope"], "unknown waste point '7b-nope'; choose from: 7b-greedy"),
             (["waste", "growth", "7b-greedy"], "growth writes its own table; run it alone"),
@@ -92,6 +111,20 @@ def write_inputs(tmp: Path) -> None:
     (tmp / "rejected" / "config.json").write_text(json.dumps(rejected))
     (tmp / "torn.json").write_text('{"model_type": "llama", "hidden_si')  # cut half-way
     (tmp / "empty").mkdir()
+    from transformers import AutoConfig, BertConfig, ViTConfig
+
+    moe = dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=256, pad_token_id=0)
+    moe["ffn_config"] = dict(ffn_hidden_size=96, moe_num_experts=4, moe_top_k=2)
+    attention = dict(kv_n_heads=2, clip_qkv=8.0)
+    for name, config in (
+        ("bert", BertConfig()),
+        ("vit", ViTConfig()),
+        ("dbrx-unbuildable", AutoConfig.for_model("dbrx", **moe, attn_config=attention)),  # no rope_theta
+        ("dbrx", AutoConfig.for_model("dbrx", **moe, attn_config=dict(attention, rope_theta=10000.0))),
+    ):
+        (tmp / name).mkdir()
+        config.to_json_file(tmp / name / "config.json")
+    (tmp / "infinite.yaml").write_text("grid:\n  batch: [.inf]\n")
     (tmp / "read-only").mkdir(mode=0o555)
 
 
@@ -129,7 +162,7 @@ print(json.dumps(results))
 """
 
 
-VERBS = ("measure", "predict", "compare", "sweep", "waste")
+VERBS = ("measure", "predict", "explain", "compare", "sweep", "waste")
 
 
 @pytest.fixture(scope="session")
