@@ -12,10 +12,22 @@ import transformers
 from packaging.version import Version
 
 CACHE_RENAMED_IN = "5.24"
+# From 5.18 generate() drops an attention mask of ones once it has made the position ids from it (its comment: "to
+# make downstream attention mask creation and inference faster"); 5.17 passes it to every forward.
+ONES_MASK_DROPPED_IN = "5.18"
+
+
+def _installed_at_least(version: str) -> bool:
+    return Version(transformers.__version__).release >= Version(version).release
 
 
 def _installed_renames() -> bool:
-    return Version(transformers.__version__).release >= Version(CACHE_RENAMED_IN).release
+    return _installed_at_least(CACHE_RENAMED_IN)
+
+
+def generate_drops_ones_mask() -> bool:
+    """Whether the installed generate() gives the forward no attention mask when it is all ones (no padding)."""
+    return _installed_at_least(ONES_MASK_DROPPED_IN)
 
 
 def cache_argument(model: torch.nn.Module) -> str:

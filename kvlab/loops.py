@@ -35,7 +35,7 @@ from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_f
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .caches import CACHES, advance, cache_length, cache_tensors, forward, make_cache
-from .compat import cache_from_outputs
+from .compat import cache_from_outputs, generate_drops_ones_mask
 from .meter import MetaAsCpu
 
 
@@ -84,16 +84,25 @@ def check_choice(kind: str, value: str, choices) -> None:
 REPEAT_KV_ATTENTION = "kvlab_repeat_kv_sdpa"
 
 
+REPEATS = "_kvlab_repeats"  # an attention module's repeat_kv copies, held until the module returns
+
+
 def _repeat_kv_sdpa(module, query, key, value, attention_mask, **kwargs):
     groups = getattr(module, "num_key_value_groups", 1)
-    # The copies are made here, so today's SDPA must not repeat (or pack) a second time.
+    # The copies are made here, so today's SDPA must not repeat (or pack) a second time. 4.x's attention forward
+    # kept them as locals until it returned, through its output projection (whose matmul allocates scratch of
+    # its own in bf16): held on the module until then (`_release_repeats`).
+    repeats = repeat_kv(key, groups), repeat_kv(value, groups)
+    setattr(module, REPEATS, repeats)
     module.num_key_value_groups = 1
     try:
-        return sdpa_attention_forward(
-            module, query, repeat_kv(key, groups), repeat_kv(value, groups), attention_mask, **kwargs
-        )
+        return sdpa_attention_forward(module, query, *repeats, attention_mask, **kwargs)
     finally:
         module.num_key_value_groups = groups
+
+
+def _release_repeats(module, args, output):
+    module.__dict__.pop(REPEATS, None)
 
 
 AttentionInterface.register(REPEAT_KV_ATTENTION, _repeat_kv_sdpa)
@@ -119,12 +128,14 @@ def _forward_of(model, release: Release, meter=None):
             meter.label((logits, full), "logits")
         return full
 
-    hook = model.get_output_embeddings().register_forward_hook(upcast)
+    hooks = [model.get_output_embeddings().register_forward_hook(upcast)]
+    hooks += [m.register_forward_hook(_release_repeats) for m in model.modules() if hasattr(m, "num_key_value_groups")]
     try:
         yield {}
     finally:
         config._attn_implementation = before
-        hook.remove()
+        for hook in hooks:
+            hook.remove()
 
 
 def generate(
@@ -176,9 +187,11 @@ def generate(
     # The loop counts the tokens fed so far: a cache of recurrent layers only has no length to ask.
     cached = 0 if past is None else cache_length(past)
     skipped = 0
+    # 5.18 and later: the position ids made once from a mask of ones, which is then dropped; grown a token a step.
+    positions = _generate_positions(tokens) if release.major == 5 and generate_drops_ones_mask() else None
     start = time.perf_counter()
     with _grad_mode(device), _forward_of(model, release, meter) as forward_options:
-        kv, earlier, cached = _prefill_chunks(model, kv, tokens, cached, prefill_chunk, forward_options)
+        kv, earlier, cached = _prefill_chunks(model, kv, tokens, cached, prefill_chunk, forward_options, positions)
         for step in range(new_tokens):
             if steps is not None and step not in steps:
                 skipped += 1
@@ -186,16 +199,17 @@ def generate(
             if skipped:  # as the skipped steps left them: one token more per step in the cache and the tokens
                 _skip(kv, outputs, skipped)
                 tokens = torch.cat([tokens, choose.next_tokens[:, None].expand(-1, skipped)], dim=-1)
+                positions = _grow_positions(positions, skipped)
                 cached, skipped = tokens.shape[1] - 1, 0
-            # As generate() makes them: a mask of ones, and position ids per row from its cumsum, of which
-            # the forward gets a view of the new positions (so rotary cos/sin have a row per sequence too).
-            mask = torch.ones(tokens.shape, dtype=torch.long, device=device)
-            positions = mask.cumsum(-1) - 1
+            # 4.x and 5.17, as generate() made them: a mask of ones, and position ids per row from its cumsum.
+            # The forward gets a view of the new positions (so rotary cos/sin have a row per sequence too).
+            mask = torch.ones(tokens.shape, dtype=torch.long, device=device) if positions is None else None
+            step_positions = mask.cumsum(-1) - 1 if positions is None else positions
             new_outputs, handed_back = forward(
                 model,
                 kv,
                 input_ids=tokens[:, cached:],
-                position_ids=positions[:, cached:],
+                position_ids=step_positions[:, cached:],
                 use_cache=True,
                 attention_mask=mask,  # on meta too: MetaAsCpu answers what transformers asks of its values
                 **forward_options,
@@ -220,9 +234,10 @@ def generate(
                 # One tensor at a time; tuple / v4.40: `outputs` still holds the un-reordered tuple, so its
                 # reordered copy is built while the whole old one lives.
                 kv.reorder_cache(choose.beam_idx)
-            del mask, positions
+            del mask, step_positions
             cached = tokens.shape[1]
             tokens = torch.cat([tokens, choose.next_tokens[:, None]], dim=-1)
+            positions = _grow_positions(positions, 1)
             if meter is not None:
                 _end_step(meter, kv, outputs)
     if device.type == "cuda":
@@ -230,14 +245,29 @@ def generate(
     return Generation(tokens, kv, time.perf_counter() - start)
 
 
-def _prefill_chunks(model, kv, tokens, cached: int, chunk: int | None, forward_options: dict):
+def _generate_positions(tokens) -> torch.Tensor:
+    """The position ids generate() makes before the prompt (5.x): the cumsum of a mask of ones, less one, with the
+    padded positions (none here) set to 0."""
+    mask = torch.ones(tokens.shape, dtype=torch.long, device=tokens.device)
+    return (mask.cumsum(-1) - 1).masked_fill(mask == 0, 0)
+
+
+def _grow_positions(positions, tokens: int):
+    """generate()'s update of its kept position ids after `tokens` new tokens (5.x: a cat, the old ones freed)."""
+    if positions is None:
+        return None
+    following = torch.arange(tokens, dtype=positions.dtype, device=positions.device)[None, :] + positions[:, -1:] + 1
+    return torch.cat([positions, following], dim=-1)
+
+
+def _prefill_chunks(model, kv, tokens, cached: int, chunk: int | None, forward_options: dict, positions=None):
     """generate()'s chunked prefill: every chunk of the prompt but the last through the model, each with the mask
-    and positions up to its end; the last chunk is step 0's forward. Returns the cache to continue from (`tuple`
-    hands back a new one), the outputs of the chunk before the last (alive, as generate()'s `outputs`, until
-    step 0's forward returns) and where step 0 starts."""
+    and positions up to its end (`positions`: the kept ones, without a mask, from 5.18); the last chunk is step
+    0's forward. Returns the cache to continue from (`tuple` hands back a new one), the outputs of the chunk before
+    the last (alive, as generate()'s `outputs`, until step 0's forward returns) and where step 0 starts."""
     starts = list(range(cached, tokens.shape[1], chunk or tokens.shape[1]))
-    outputs = None
-    if len(starts) > 1:
+    outputs = mask = None
+    if len(starts) > 1 and positions is None:
         mask = torch.ones(tokens.shape, dtype=torch.long, device=tokens.device)
         positions = mask.cumsum(-1) - 1
     for start in starts[:-1]:
@@ -248,7 +278,7 @@ def _prefill_chunks(model, kv, tokens, cached: int, chunk: int | None, forward_o
             input_ids=tokens[:, start:end],
             position_ids=positions[:, start:end],
             use_cache=True,
-            attention_mask=mask[:, :end],
+            attention_mask=None if mask is None else mask[:, :end],
             **forward_options,
         )
     return kv, outputs, starts[-1] if starts else cached

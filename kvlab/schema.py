@@ -84,6 +84,7 @@ RECORD_FIELDS = (
     "kv_at_peak_bytes",
     "logits_at_peak_bytes",
     "other_at_peak_bytes",
+    "kernels_at_peak_bytes",
     "seconds",
     "tokens_per_s",
     "graph_build_seconds",

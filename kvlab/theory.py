@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass
 
 from .caches import sliding_windows
+from .compat import generate_drops_ones_mask
 from .loops import LOOPS, Release
 from .meter import flash_scratch_bytes
 from .models import element_size, final_kv_bytes, head_dim, kv_bytes_per_token
@@ -167,6 +168,8 @@ class Run:
         self.held_after_first = prompt + new - 1  # tokens of the first call's cache: the caller's tuple in a restart
         self.groups = s.heads // s.kv_heads
         self.window = next((w for w in windows if w), None)  # the sliding mask's (one for every sliding layer)
+        # 5.18+ generate() drops the all-ones padding mask: the masks it builds then have one row for every sequence.
+        self.mask_rows = 1 if release.major == 5 and generate_drops_ones_mask() else s.rows
         self.last_window, self.has_full = windows[-1], None in windows
         # 5.x's StaticCache gives a sliding layer min(W, length) slots; empty where no layer is shorter.
         static = [min(w or self.static_len, self.static_len) for w in windows] if cache == "static" else []
@@ -309,7 +312,7 @@ def _mask(r: Run, fed: int, seen: int, full_seen: int) -> dict:
             * s.e
             * (full_seen * r.has_full + seen * (r.window is not None))
         }
-    return {"sliding-window attention mask (bool)": s.rows * fed * seen} if r.window and seen >= r.window else {}
+    return {"sliding-window attention mask (bool)": r.mask_rows * fed * seen} if r.window and seen >= r.window else {}
 
 
 def _hidden_states(s: Shape, fed: int) -> int:
@@ -399,6 +402,18 @@ def _attention_phase(r: Run, step: Step) -> dict:
     return terms
 
 
+def _output_projection_phase(r: Run, step: Step) -> dict | None:
+    """<= 4.42: the last layer's output projection. Its attention forward kept the repeat_kv copies of the keys and
+    values as locals until it returned: alive beside the attention output and the projection's output, as
+    everything attention held but what SDPA frees as it returns (5.x makes and drops the copies inside its
+    attention function, before the projection)."""
+    if r.release.major != 4 or r.s.eager or r.groups == 1:
+        return None
+    inside_sdpa = _cpu_flash_attention(r, step, masked=False)
+    terms = {name: value for name, value in _attention_phase(r, step).items() if name not in inside_sdpa}
+    return {**terms, "output projection": r.s.rows * step.fed * r.s.hidden * r.s.e}
+
+
 def _cpu_flash_attention(r: Run, step: Step, masked: bool) -> dict:
     """What SDPA allocates inside on CPU, where it runs the flash kernel (grouped-query or not): a float copy of the
     bool mask it is given, its logsumexp (fp32 per row, head and query) and the scratch the kernel frees before it
@@ -430,7 +445,7 @@ def _mask_phase(r: Run, step: Step) -> dict | None:
         "cache before the forward": 0 if r.tuple_cache else step.held_before,
         "old tuple still referenced": step.old_tuple,
         "embeddings": s.rows * fed * s.hidden * s.e,
-        "sliding-window mask being built (bool)": max(3, 1 + s.rows) * fed * seen,
+        "sliding-window mask being built (bool)": max(3, 1 + r.mask_rows) * fed * seen,
         "query and key positions (int64)": (fed + seen) * INT64,
     }
 
@@ -542,12 +557,13 @@ def _beam_reorder_phase(r: Run, walk: CacheWalk, step: Step) -> dict | None:
 
 def _phases(r: Run, walk: CacheWalk, step: Step) -> dict:
     """The step's phases in the order they happen, each its terms: the last layer's rotary embedding, its update,
-    its attention, the mask built before the first layer, the MLP, the lm_head, then the loop's own work after the
-    forward."""
+    its attention and (<= 4.42) output projection, the mask built before the first layer, the MLP, the lm_head,
+    then the loop's own work after the forward."""
     phases = {
         "rotary": _rotary_phase(r, step),
         "update": _update_phase(r, step),
         "attention": _attention_phase(r, step),
+        "output projection": _output_projection_phase(r, step),
         "mask": _mask_phase(r, step),
         "mlp": _mlp_phase(r, step),
         "lm_head": _lm_head_phase(r, step),

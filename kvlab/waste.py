@@ -9,9 +9,10 @@ command line stores (kvlab.lab.waste_table):
 Each point runs generate() under the meter (its peak, each forward's peak), under `explain` (the storages at the
 peak and their holders), and each fix under the meter. Rows: `baseline` (weights; the final KV from the shapes;
 one step's activations), `term` (the cache update's op output, storage the cache's tensors do not show, the cache
-against the final one, the attention mask with SDPA's float copy of it, activations above one step's), `check`
-(the meter's peak: baseline and terms add up to it), `note` (not added up: the prompt's forward, the view kept
-after it, a static cache's unwritten capacity) and `fix` (each fix's peak and what it saves).
+against the final one, the attention mask with SDPA's float copy of it, activations above one step's, what only
+the allocator saw inside kernels), `check` (the meter's peak, the CPU allocator's: baseline and terms add up to
+it), `note` (not added up: the prompt's forward, the view kept after it, a static cache's unwritten capacity) and
+`fix` (each fix's peak and what it saves).
 """
 
 from __future__ import annotations
@@ -172,7 +173,14 @@ def terms(name: str, point: dict | None = None) -> list[dict]:
             "",
         ),
         *_peak_terms(name, explanation, parts, final, step_activations, beams),
-        ("check", "peak (the meter, its own run)", weights + peak, "MemoryMeter, live storages", ""),
+        (
+            "term",
+            "allocated inside kernels",
+            peak - explanation.peak_bytes,
+            "the allocator's peak above the tensors explain counts at its peak (casts, workspaces inside a kernel)",
+            "",
+        ),
+        ("check", "peak (the meter, its own run)", weights + peak, "MemoryMeter, the CPU allocator's events", ""),
         ("note", "peak of the prompt's forward", weights + forwards[0][1], "the meter, forward 0", ""),
         (
             "note",

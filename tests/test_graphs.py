@@ -105,7 +105,7 @@ def test_profiler_meter_agrees_with_the_counter(toy, prompt, runtime):
     with MemoryMeter("cpu", toy) as counted:
         generate_graph(toy, prompt, 12, runtime, graphs, meter=counted)
     p, c = profiled.report(), counted.report()
-    assert p.method == "profiler" and c.method == "live-storages"
+    assert p.method == "profiler" and c.method == "cpu-allocator"
     assert abs(p.overhead_bytes / c.overhead_bytes - 1) < 0.01
     assert len(p.timeline) == len(c.timeline) == 12
     for a, b in zip(p.timeline, c.timeline):
@@ -168,7 +168,7 @@ def test_the_claims_of_notebook_05(twin_records):
     assert ratio[("eager", "dynamic")] < 1.1
     exported = twin_records[("export", "static")]
     assert exported["meter"] == "profiler" and twin_records[("jit-trace", "tuple")]["meter"] == "profiler"
-    assert twin_records[("convert", "dynamic")]["meter"] == "live-storages"
+    assert twin_records[("convert", "dynamic")]["meter"] == "cpu-allocator"
 
 
 def test_exported_static_cache_is_its_preallocation_plus_one_step(toy, prompt):

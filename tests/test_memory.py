@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from kvlab.meter import MemoryMeter, weight_bytes
+from kvlab.profiler import profiler_peak
 
 F32 = 4
 
@@ -25,7 +26,39 @@ def test_three_tensors_free_one_cat_two():
     assert report.peak_bytes == (1000 + 3000 + 4000) * F32
     assert [s.live_bytes for s in report.timeline] == [6000 * F32, 8000 * F32, 4000 * F32]
     assert [s.peak_bytes for s in report.timeline] == [6000 * F32, 8000 * F32, 8000 * F32]
-    assert report.at_peak == {"weights": 0, "kv": 4000 * F32, "logits": 0, "other": 4000 * F32}
+    assert report.at_peak == {"weights": 0, "kv": 4000 * F32, "logits": 0, "other": 4000 * F32, "kernels": 0}
+
+
+def test_what_a_kernel_allocates_inside_itself_counts_as_kernels():
+    # The argument parser wraps 2.0 in a 0-dim float64 tensor (8 bytes) and mul casts it to float32 (4 bytes)
+    # inside its kernel, beside the output: the peak, though no op outputs either.
+    x = torch.ones(1000)
+    with MemoryMeter("cpu", track_storages=False) as alone:
+        y = x * 2.0
+    assert alone.report().peak_bytes == 1000 * F32 + 8 + 4 == profiler_peak(lambda: x * 2.0)
+    with MemoryMeter("cpu") as meter:
+        y = x * 2.0
+    report = meter.report()
+    assert report.storages_peak_bytes == 1000 * F32  # what the live-storage counter alone sees
+    # With the counter beside it, Python's dispatch wraps the scalar once more (8 bytes), for the counter to see.
+    assert report.peak_bytes == 1000 * F32 + 8 + 4 + 8
+    assert report.at_peak == {"weights": 0, "kv": 0, "logits": 0, "other": 1000 * F32, "kernels": 8 + 4 + 8}
+    del y
+
+
+def test_attention_scratch_counts_under_inference_mode_too():
+    # Under inference_mode SDPA is one op: its kernel's logsumexp and scratch are allocated below it, where no
+    # dispatch mode looks; the allocator sees them on every CPU, whatever its kernel library allocates.
+    q = torch.randn(2, 4, 64, 32)
+    with torch.inference_mode():
+        with MemoryMeter("cpu") as meter:
+            out = torch.nn.functional.scaled_dot_product_attention(q, q, q)
+        witness = profiler_peak(torch.nn.functional.scaled_dot_product_attention, q, q, q)
+    report = meter.report()
+    assert report.peak_bytes == witness > q.numel() * F32 + 2 * 4 * 64 * F32
+    assert report.at_peak["other"] == q.numel() * F32
+    assert report.at_peak["kernels"] == report.peak_bytes - q.numel() * F32
+    del out
 
 
 def test_cat_doubles_only_while_the_old_tensor_is_referenced():
@@ -55,7 +88,10 @@ def test_views_inplace_ops_and_old_tensors_are_not_counted():
         _ = x.view(10, 10).t()
         _ = weights[:5]
         weights.mul_(1.0)
-    assert meter.report().peak_bytes == 100 * F32
+    report = meter.report()
+    assert report.storages_peak_bytes == report.at_peak["other"] == 100 * F32
+    # mul_'s scalar, wrapped (8 bytes, twice under the counter) and cast (4) inside the kernel, beside x.
+    assert report.peak_bytes == 100 * F32 + report.at_peak["kernels"] == 100 * F32 + 8 + 4 + 8
 
 
 def test_resize_counts_the_new_size():

@@ -60,11 +60,16 @@ def test_readme_example_runs_as_written_without_the_extras(tmp_path):
     output = run_python(WITHOUT_EXTRAS + readme_example(), tmp_path)
     assert re.search(r"^prealloc/v5 +[0-9.]+ .* yes ", output, re.M), output  # predict's table, with "fits"
     config = build_config("llama2-7b-twin")
-    for cache, loop, mib in re.findall(r"^(\w+)/(v[0-9.]+): ([0-9.]+) MiB at the peak", output, re.M):
+    printed = re.findall(
+        r"^(\w+)/(v[0-9.]+): ([0-9.]+) MiB at the peak .*, ([0-9.]+) of it inside kernels", output, re.M
+    )
+    assert [(cache, loop) for cache, loop, *_ in printed] == [("tuple", "v4.40"), ("dynamic", "v5")], output
+    for cache, loop, mib, kernels in printed:
         predicted = theory.predict_overhead(
             config, batch=1, prompt=300, new=40, dtype="bfloat16", cache=cache, loop=loop
         )
-        assert float(mib) * 2**20 == pytest.approx(predicted, rel=1e-3), (cache, loop)
+        # The theory counts tensors; a kernel's own scratch (a bf16 matmul's) depends on the CPU's kernel library.
+        assert (float(mib) - float(kernels)) * 2**20 == pytest.approx(predicted, rel=1e-3), (cache, loop)
     assert "same tokens as transformers' generate(): True" in output
 
 
