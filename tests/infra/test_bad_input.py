@@ -78,7 +78,10 @@ def cases(tmp: Path) -> list[tuple[list[str], str]]:
             (["sweep", "--grid", "batch=1.5", "--dry-run"], "batch must be a positive integer, got 1.5 (float)"),
             (["sweep", str(tmp / "infinite.yaml"), "--dry-run"], "batch must be a positive integer, got inf (float)"),
             (["sweep", "/nonexistent/dir/cpu-default.yaml"], "not found (no such file); give an existing path"),
-            (["sweep", "--kernel", "nope", "--out", str(tmp / "never")], "unknown Jupyter kernel 'nope'"),
+            (
+                ["sweep", "--kernel", "nope", "--grid", "preset=toy", "--out", str(tmp / "never")],
+                "unknown Jupyter kernel",
+            ),
             # models that generate no text: refused in one line by every verb that builds or plans one
             (["measure", "--preset", str(tmp / "bert")], "is an encoder-only model (bert): it reads text"),
             (["predict", "--preset", str(tmp / "bert")], "is an encoder-only model (bert)"),
