@@ -519,7 +519,7 @@ def _next_token_phase(r: Run, step: Step) -> dict | None:
 
 def _beam_scoring_phase(r: Run, step: Step) -> dict | None:
     """Beam search scores the fp32 next-token logits: log_softmax, plus the beam scores (two more vocabulary-wide
-    tensors), while the previous step's scores are alive."""
+    tensors); the previous step's scores died as the log-probabilities rebound their name."""
     if r.strategy != "beam" or r.keeps_outputs:
         return None
     vocab_fp32 = r.s.rows * r.s.vocab * FP32
@@ -596,13 +596,13 @@ def _held_through_the_step(r: Run, step: Step) -> dict:
 def _previous_locals(r: Run, step: Step, phase: str) -> dict:
     """The loop's locals from the previous step, alive until rebound: through the forward, the next-token logits
     (v4.40's are a view into the kept outputs) and the probabilities or beam scores. Beam scoring has already
-    rebound the logits, and the reorder comes after the scores too."""
+    rebound the logits and the scores, and the reorder comes after the scores too."""
     if step.first_of_call or phase == "beam reorder":
         return {}
     s, terms = r.s, {}
     if not r.keeps_outputs and phase != "beam scoring":
         terms["previous step's next-token logits (fp32)"] = s.rows * s.vocab * FP32
-    if r.strategy in ("beam", "sample"):
+    if r.strategy == "sample" or (r.strategy == "beam" and phase != "beam scoring"):
         terms[f"previous step's {'beam scores' if r.strategy == 'beam' else 'probabilities'} (fp32)"] = (
             s.rows * s.vocab * FP32
         )
