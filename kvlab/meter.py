@@ -479,7 +479,8 @@ class MetaAsCpu(TorchFunctionMode):
     - a yes-or-no question asked of a meta tensor's values (`bool(...)` of a bool: is the attention mask all ones,
       are the positions one packed sequence?) gets the answer for what kvlab's loop passes (a mask of ones,
       positions 0..n-1): yes. transformers asks them to choose the masks it builds; no other code kvlab runs on
-      meta reads a value (tests/test_dry_run.py holds meta against CPU runs);
+      meta reads a value (tests/test_dry_run.py holds meta against CPU runs), but for `token in ids` (GPT-2's
+      warning of padding without a mask, asked when 5.18+ generate() passes no mask): no, a warning's question;
     - the experts' grouped matrix product in fp32, which the CPU runs and whose meta form takes bf16 only: its
       output, shaped by the meta form on bf16 stand-ins that no meter sees.
 
@@ -491,6 +492,8 @@ class MetaAsCpu(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in (torch.Tensor.__bool__, torch.Tensor.item) and _meta_bool(args[0]):
             return True
+        if func is torch.Tensor.__contains__ and args[0].device.type == "meta":
+            return False
         if _asks_nonzero(func, args, kwargs):
             raise DataDependent(
                 "a dry run on meta cannot follow this model's data-dependent routing (which tokens each expert gets "

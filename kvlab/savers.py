@@ -6,7 +6,7 @@ measures and predicts; the command line stores (kvlab.lab.savers_table):
     python -m kvlab savers fp8 sliding      # some (their rows replace the stored ones)
 
 Measured: transformers' own generate() with the saver and without it (the baseline: the same model, its default
-cache) under the live-storage meter (kvlab.waste.metered); the KV is every storage the returned cache holds.
+cache) under the meter (the CPU allocator); the KV is every storage the returned cache holds.
 Predicted, before anything is allocated: the KV from the shapes (`kv_bytes`: what the saver's layers keep, read in
 transformers' and the backends' code), the peak by a dry run: kvlab's v5 loop on the meta device with the cache
 generate() would make, every step (as `predict --dry-run` runs a design). For a twin, the same predictions for its
@@ -32,7 +32,6 @@ from .explain import explain, generate_call
 from .meter import MemoryMeter, weight_bytes
 from .models import build_model, element_size, head_dim, kv_heads, layer_bytes_per_token, random_prompt
 from .presets import RANDOM_INIT_STD
-from .waste import metered
 
 # One point for the cache savers: the Llama-2-7B twin (its widths / 32, its layers and ratios), bf16, batch 1,
 # prompt 300, 200 new tokens (kvlab.waste's 7B point). The layout savers run on a model of that layout.
@@ -309,14 +308,18 @@ def _tensors(value, depth: int = 0):
 
 
 def measure(model, ids, new: int, options: dict) -> dict:
-    """transformers' own generate() with `options`: its peak (weights included), the KV its cache ends with, and
-    the new tokens."""
+    """transformers' own generate() with `options`: its peak (weights included; the CPU allocator's), the peak of
+    the tensors the live-storage counter saw beside it (what the dry run predicts: the backends' kernels allocate
+    scratch of their own), the KV its cache ends with, and the new tokens."""
     run = generate_call(model, ids, new, return_dict_in_generate=True, **options)
-    peak, _ = metered(run, model)
+    with torch.no_grad(), MemoryMeter("cpu", model) as meter:
+        run()
+    report = meter.report()
     with torch.no_grad():
         out = run()
     return dict(
-        peak=weight_bytes(model) + peak,
+        peak=report.peak_bytes,
+        tensors_peak=report.baseline_bytes + report.storages_peak_bytes,
         kv=cache_storage_bytes(cache_from_outputs(out)),
         tokens=out.sequences[:, ids.shape[1] :],
     )

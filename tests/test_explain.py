@@ -158,9 +158,9 @@ def test_the_command_line_prints_the_holders_and_refuses_bad_input_in_one_line(c
 
 
 @pytest.mark.slow  # 5.24's generate() drops an all-ones mask; 5.17's (make test-all's rerun, quick tests only) does not
-def test_v5_beam_on_a_sliding_layout_differs_from_5x_generate_by_its_per_row_mask():
-    """kvlab's loop passes the attention mask of ones, so the sliding mask gets a row per beam; 5.24's generate()
-    drops it and shares one row (docs/results.md's explanation of the 0.8 % between them)."""
+def test_v5_beam_on_a_sliding_layout_shares_one_mask_row_as_5x_generate_does():
+    """From 5.18 generate() drops the attention mask of ones, so the sliding mask has one row for every beam; so
+    does kvlab's v5 loop (it passed the mask and got a row per beam: (rows - 1) x prompt x prompt bytes more)."""
     model = build_model("mistral-7b-v0.1-twin", ["sliding_window=64"], dtype="bfloat16")
     rows, prompt = 3, 100
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
@@ -169,6 +169,6 @@ def test_v5_beam_on_a_sliding_layout_differs_from_5x_generate_by_its_per_row_mas
     )
     theirs = explain_generate(model, ids, 4, num_beams=rows)
     mask = r"MistralModel\.forward: causal_mask"
-    assert held_by(ours, mask) == {(): rows * prompt * prompt} and held_by(theirs, mask) == {(): prompt * prompt}
-    # The peaks differ by the mask's extra rows, up to a few hundred bytes of each loop's own int64 bookkeeping.
-    assert ours.peak_bytes - theirs.peak_bytes == pytest.approx((rows - 1) * prompt * prompt, rel=0.02)
+    assert held_by(ours, mask) == held_by(theirs, mask) == {(): prompt * prompt}
+    # The peaks agree to well within the extra rows' 20,000 bytes (each loop's own bookkeeping: 2.4 KB here).
+    assert abs(ours.peak_bytes - theirs.peak_bytes) <= (rows - 1) * prompt * prompt / 4

