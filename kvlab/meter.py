@@ -197,7 +197,7 @@ class MemoryReport:
     reserved_peak_bytes: int | None
     timeline: list[StepMemory] = field(default_factory=list)
     at_peak: dict[str, int] = field(default_factory=dict)  # category -> bytes live at the peak
-    storages_peak_bytes: int | None = None  # live-storage count on CUDA, when tracked as a cross-check
+    storages_peak_bytes: int | None = None  # the live-storage count's peak above the start (CPU; CUDA when tracked)
 
     @property
     def overhead_bytes(self) -> int:
