@@ -303,13 +303,14 @@ def match_blocks(blocks: list[list], births, deaths: dict[int, int]) -> dict[int
     """Which allocator block each counted storage is: block index -> the counter's serial. A storage is the block at
     its address, of its size, whose lifetime overlaps its own most (a kernel's scratch at the same address, freed
     before the output was allocated there, overlaps it not at all)."""
-    at_address: dict[int, list[int]] = {}
+    at_address: dict[int, list[int]] = {}  # address -> its blocks, in the order they were allocated
     for index, (address, *_) in enumerate(blocks):
         at_address.setdefault(address, []).append(index)
+    allocated_at = {address: [blocks[i][2] for i in indices] for address, indices in at_address.items()}
     owner = {}
     for serial, address, nbytes, born in births:
         candidates = at_address.get(address, [])
-        nearest = bisect.bisect_right([blocks[i][2] for i in candidates], born) - 1
+        nearest = bisect.bisect_right(allocated_at.get(address, []), born) - 1
         died = deaths.get(serial, float("inf"))
         best, overlap = None, 0
         for index in candidates[max(nearest - 1, 0) : nearest + 2]:
@@ -437,9 +438,14 @@ class MemoryMeter(Meter):
                 at_peak[self.labels.get(serial, "other")] += nbytes
         if not self.on_cuda:
             return MemoryReport(
-                str(self.device), "live-storages", self.weights, self.weights + storages_peak, None, self.timeline,
+                str(self.device),
+                "live-storages",
+                self.weights,
+                self.weights + storages_peak,
+                None,
+                self.timeline,
                 at_peak,
-            )  # fmt: skip
+            )
         peak = max(self.cuda_peak, torch.cuda.max_memory_allocated(self.device) - self.start_allocated)
         reserved = max(self.reserved_peak, torch.cuda.max_memory_reserved(self.device))
         return MemoryReport(

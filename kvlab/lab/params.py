@@ -18,7 +18,7 @@ from ..schema import DEFAULTS, KINDS, REFERENCES, RESTART_FROM, is_true
 # walks over every decoding step (kvlab.theory, the meta dry run, the loop) would run for minutes or exhaust memory.
 SIZE_LIMIT = 2**24  # 16,777,216
 SIZE_WHY = "past any model's context (the longest, 10M tokens) and any batch a device holds"
-STEP_LIMIT = 2**16  # decoding steps: a prediction walks each, a few seconds per design at 65,536
+STEP_LIMIT = 2**16  # decoding steps: a prediction walks each of them
 SEED_LIMIT = 2**64 - 1  # torch.manual_seed's largest
 STEP_WHY = "kvlab walks every decoding step (kvlab.theory, the meta dry run, the loop): more take minutes"
 BOUNDS = dict(

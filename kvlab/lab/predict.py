@@ -50,7 +50,7 @@ class TooBig(ValueError):
     """A point whose predicted peak exceeds the free memory of its device."""
 
 
-MAX_MEMORY = 2**60  # 1 EiB: more than any machine has, and a float's bytes stay exact below it
+MAX_MEMORY = 2**60  # 1 EiB: more than any machine has (past it, "1e400" is infinity, not a size)
 
 
 def parse_bytes(text) -> int:
