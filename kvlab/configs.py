@@ -264,4 +264,7 @@ def load_config(source: str, overrides=None):
             file=sys.stderr,
         )
         config = text
-    return _finish_config(type(config), config.to_dict(), overrides, source)
+    finished = _finish_config(type(config), config.to_dict(), overrides, source)
+    if getattr(config, "_experts_implementation", None) and not getattr(finished, "_experts_implementation", None):
+        finished._experts_implementation = config._experts_implementation  # to_dict leaves out how experts run
+    return finished

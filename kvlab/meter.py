@@ -16,6 +16,7 @@ a kernel (on CPU; never silently missing).
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import time
 import weakref
@@ -63,6 +64,78 @@ def flash_scratch_bytes(q_len: int, kv_len: int, head_size: int, reduced: bool) 
     kv_split = min(512, kv_len)
     per_thread = (q_split * kv_split + 2 * q_split + q_split * head_size) * 4 + reduced * q_split * kv_split * 2
     return torch.get_num_threads() * per_thread  # one block per thread of this process
+
+
+WHERE = torch.ops.aten.where.self
+MASKED_FILL = (torch.ops.aten.masked_fill.Scalar, torch.ops.aten.masked_fill.Tensor)
+
+
+def promotion_scratch_bytes(func, args) -> int:
+    """What an elementwise op on the CPU allocates inside itself when its tensors' dtypes differ: TensorIterator casts
+    each input that is not of the op's common dtype into a temporary of it (and, for an in-place op whose tensor is
+    not, an output temporary that it then copies back), freed before the op returns (ATen's
+    TensorIteratorBase::compute_types, CPU only; `where` casts its two values likewise). A bf16 mask added to fp32
+    scores is a float copy of the mask for the length of the add (tests/test_memory.py holds it against the
+    profiler)."""
+    if torch.Tag.pointwise not in func.tags or func in MASKED_FILL:  # masked_fill's mask is no operand
+        return 0
+    operands = [a for a in (args[1:] if func is WHERE else args) if isinstance(a, (torch.Tensor, bool, int, float))]
+    tensors = [a for a in operands if isinstance(a, torch.Tensor)]
+    if len(operands) < 2 or not tensors or tensors[0].device.type not in ("cpu", "meta"):
+        return 0
+    common = _common_dtype(operands)
+    size = torch.empty((), dtype=common, device="meta").element_size()
+    scratch = sum(t.numel() * size for t in tensors if t.dtype != common)
+    inplace = func._schema.name.endswith("_") and tensors[0] is args[0] and tensors[0].dtype != common
+    return scratch + inplace * tensors[0].numel() * size
+
+
+def _common_dtype(operands) -> torch.dtype:
+    """torch.result_type over any number of tensors and numbers (a dimensioned tensor outranks a 0-dim one, which
+    outranks a number, within a category)."""
+    first, *rest = operands
+    for operand in rest:
+        dtype = torch.result_type(first, operand)
+        dimensioned = any(isinstance(a, torch.Tensor) and a.dim() for a in (first, operand))
+        first = torch.empty((1,) * dimensioned, dtype=dtype, device="meta")
+    return first.dtype if isinstance(first, torch.Tensor) else torch.result_type(first, first)
+
+
+def cpu_kernels() -> str:
+    """This CPU's kernel library, as torch reports it: the instruction set ATen's kernels use, and what runs bf16 and
+    fp16 matrix products."""
+    onednn = [name for name, dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)) if _onednn_matmul(dtype)]
+    library = f"oneDNN for {' and '.join(onednn)}" if onednn else "ATen's own kernels"
+    return f"{torch.backends.cpu.get_cpu_capability()}; bf16 and fp16 matrix products: {library}"
+
+
+def _onednn_matmul(dtype: torch.dtype) -> bool:
+    """Whether ATen hands matrix products of `dtype` to oneDNN on this CPU (ATen's use_mkldnn_matmul: bf16 on CPUs
+    with AVX-512 BW/VL/DQ or AMX, fp16 on those with AVX-512 FP16 or AMX-FP16)."""
+    checks = {
+        torch.bfloat16: torch.ops.mkldnn._is_mkldnn_bf16_supported,
+        torch.float16: torch.ops.mkldnn._is_mkldnn_fp16_supported,
+    }
+    return dtype in checks and torch.backends.mkldnn.is_available() and bool(checks[dtype]())
+
+
+@functools.lru_cache(maxsize=4)
+def uncounted_workspace(dtype: torch.dtype) -> str | None:
+    """None where kvlab counts every byte a CPU run of `dtype` allocates; else a sentence naming what it does not
+    count: the workspace oneDNN allocates inside a matrix product (bf16 on AVX-512 and AMX CPUs), which depends on the
+    CPU and its library version, read from the allocator on a 64 x 64 x 64 probe. Call it outside a measured block
+    (it runs the profiler)."""
+    a, b = torch.ones(64, 64, dtype=dtype), torch.ones(64, 64, dtype=dtype)
+    with CpuAllocator() as allocator:
+        out = torch.mm(a, b.t())
+    scratch = allocator.peak_bytes - out.untyped_storage().nbytes()
+    if not scratch and not _onednn_matmul(dtype):
+        return None
+    return (
+        f"this CPU ({cpu_kernels()}) allocates a workspace inside each {dtype} matrix product ({scratch:,} B for a "
+        f"64 x 64 x 64 probe) that kvlab does not count: a CPU run's peak can exceed the prediction by one such "
+        f"workspace"
+    )
 
 
 def safe_softmax_scratch_bytes(scores: torch.Tensor, dim: int) -> int:
@@ -138,6 +211,10 @@ class LiveStorageCounter(TorchDispatchMode):
             self._spike(flash_scratch_bytes(query.shape[-2], value.shape[-2], value.shape[-1], reduced))
         elif func is SAFE_SOFTMAX:
             self._spike(safe_softmax_scratch_bytes(args[0], args[1]))
+        else:
+            cast = promotion_scratch_bytes(func, args)
+            if cast:
+                self._spike(cast)
         return out
 
     def _spike(self, nbytes: int):
@@ -491,20 +568,66 @@ class MetaAsCpu(TorchFunctionMode):
       output, shaped by the meta form on bf16 stand-ins that no meter sees.
 
     Which entries are nonzero (`nonzero`, one-argument `where`: which experts a token was routed to, which tokens an
-    expert got) is a question of values whose answer sizes what follows: refused in one line (`DataDependent`).
+    expert got) depends on the weights and the prompt, and sizes what follows (an expert loop's tensors). The
+    answer is a bound: every entry (every expert hit, each receiving every token in every top-k slot, more than
+    any routing can give it), and a yes-or-no question asked of such an answer (is this the "no expert" class?)
+    is answered no, so that every expert runs. Every tensor the loop then makes is at least as large as in any
+    real run, so the dry run's peak is an upper bound (tests/test_moe_bound.py holds it against measured peaks);
+    `bounded` counts the answers given.
     """
+
+    bounded = 0  # answers bounded so far, in this process (a dry run reads it before and after)
+
+    def __init__(self):
+        super().__init__()
+        self._routed: set[int] = set()  # ids of tensors made from a bounded answer, and from those, while they live
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        routed = bool(self._routed) and any(
+            isinstance(leaf, torch.Tensor) and id(leaf) in self._routed for leaf in tree_leaves((args, kwargs))
+        )
         if func in (torch.Tensor.__bool__, torch.Tensor.item) and _meta_bool(args[0]):
-            return True
+            return not routed
+        if routed and func is torch.Tensor.item:
+            raise DataDependent("a dry run on meta cannot read a routed expert's number; measure it: kvlab measure")
         if func is torch.Tensor.__contains__ and args[0].device.type == "meta":
             return False
         if _asks_nonzero(func, args, kwargs):
-            raise DataDependent(
-                "a dry run on meta cannot follow this model's data-dependent routing (which tokens each expert gets "
-                "depends on the weights and the prompt); measure it on the CPU at a smaller shape: kvlab measure"
-            )
+            return self._every_entry(func, args[0])
+        if routed and func in (torch.Tensor.__getitem__, torch.Tensor.__setitem__):
+            args = (args[0], self._first_expert(args[1]), *args[2:])
+        out = self._as_cpu(func, args, kwargs)
+        if routed:
+            self._mark(out)
+        return out
+
+    def _mark(self, out):
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and id(leaf) not in self._routed:
+                self._routed.add(id(leaf))
+                weakref.finalize(leaf, self._routed.discard, id(leaf))
+
+    def _every_entry(self, func, tensor):
+        """`nonzero` (or `where`) answered as if every entry were nonzero: the routing's bound."""
+        MetaAsCpu.bounded += 1
+        rows, dims = tensor.numel(), tensor.dim()
+        if func is torch.where:
+            out = tuple(torch.empty(rows, dtype=torch.long, device="meta") for _ in range(dims))
+        else:
+            out = torch.empty((rows, dims), dtype=torch.long, device="meta")
+        self._mark(out)
+        return out
+
+    def _first_expert(self, index):
+        """An index by a routed number (`weights[expert]`, a view on the CPU, which reads the number) as the first
+        expert's: in the bound every expert runs, and every expert's tensors have one shape."""
+        if isinstance(index, tuple):
+            return tuple(self._first_expert(part) for part in index)
+        routed_number = isinstance(index, torch.Tensor) and id(index) in self._routed and index.dim() == 0
+        return 0 if routed_number and not index.is_floating_point() else index
+
+    def _as_cpu(self, func, args, kwargs):
         if func is torch._grouped_mm and args[0].device.type == "meta" and args[0].dtype != torch.bfloat16:
             with _disable_current_modes():  # the stand-ins are not the CPU's
                 shape = func(*(a.to(torch.bfloat16) for a in args[:2]), *args[2:], **kwargs).shape
@@ -530,7 +653,7 @@ class MetaAsCpu(TorchFunctionMode):
 
 
 class DataDependent(ValueError):
-    """A forward on meta asked a question whose answer sizes its tensors (a mixture of experts' routing)."""
+    """A forward on meta asked for a number that only the data gives (a routed expert's count)."""
 
 
 _NONZERO = (torch.nonzero, torch.Tensor.nonzero, torch.where, torch.argwhere, torch.Tensor.argwhere)

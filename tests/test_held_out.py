@@ -1,8 +1,9 @@
 """Decoders no other test names, each a tiny config keeping its layout (local attention by a mask, partial rotary,
 ALiBi, multi-query, sliding layers beside full ones, Mamba-1, mixtures of experts): kvlab's dynamic/v5, measured
 by the CPU allocator, holds what transformers' own generate() of the installed release holds (within 1 %, fp32 and
-bf16, greedy and beam search at batch 2-3), and predict names the tensors of that peak before allocating (within
-1 %). Sliding layers at batch 3 and a prompt past the window: the mask 5.x's generate() builds once, not per row.
+bf16, greedy and beam search at batch 2-3), and predict says so before allocating (within 1 %; on a CPU whose bf16
+matrix products allocate a oneDNN workspace, which predict names, within 1 % of what the counter counts). Sliding
+layers at batch 3 and a prompt past the window: the mask 5.x's generate() builds once, not per row.
 """
 
 import pytest
@@ -79,12 +80,17 @@ def test_kvlab_measures_and_predicts_what_generate_holds(folders, dtype, strateg
         ours = run_point(preset=folder, timing=False, **point)
         if abs(ours["overhead_bytes"] / reference["overhead_bytes"] - 1) > 0.01:
             wrong.append(f"{model_type}: measured {ours['overhead_bytes']}, generate() {reference['overhead_bytes']}")
-        # The theory (or the dry run on meta) predicts tensors: what the counter beside the allocator counts. A
-        # bf16 matmul's own scratch, which the allocator adds, depends on the CPU's kernel library.
-        (row,) = predict(folder, cache="dynamic", loop="v5", **point)["designs"]
-        if abs(row["predicted_overhead_bytes"] / ours["storages_peak_bytes"] - 1) > 0.01:
-            wrong.append(f"{model_type}: predicted {row['predicted_overhead_bytes']}, {ours['storages_peak_bytes']}")
+        # predict counts what the allocator holds (casts inside elementwise kernels and SDPA's scratch included),
+        # but for a workspace that oneDNN allocates inside bf16 matrix products on some CPUs (AVX-512, AMX), which
+        # it names: there it is held against the tensors and the scratch it counts (the counter's peak).
+        prediction = predict(folder, cache="dynamic", loop="v5", **point)
+        (row,) = prediction["designs"]
+        truth = "storages_peak_bytes" if prediction["uncounted"] else "overhead_bytes"
+        if abs(row["predicted_overhead_bytes"] / ours[truth] - 1) > 0.01:
+            wrong.append(f"{model_type}: predicted {row['predicted_overhead_bytes']}, {truth} {ours[truth]}")
     assert not wrong, "\n".join(wrong)
+    if prediction["uncounted"]:
+        pytest.skip(f"predict held against the tensors counted, not the allocator: {prediction['uncounted']}")
 
 
 @pytest.mark.slow

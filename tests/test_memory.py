@@ -61,6 +61,32 @@ def test_attention_scratch_counts_under_inference_mode_too():
     del out
 
 
+MIXED = {  # elementwise ops whose tensors' dtypes differ: TensorIterator casts inside the kernel, on any CPU
+    "a bf16 mask added to fp32 scores": lambda: torch.randn(3, 4, 10, 10) + torch.zeros(3, 1, 10, 10).bfloat16(),
+    "fp32 times bf16, broadcast": lambda: torch.randn(3, 100, 64) * torch.randn(64).bfloat16(),
+    "in place into bf16 from fp32": lambda: torch.randn(3, 100, 64).bfloat16().mul_(torch.randn(3, 100, 64)),
+    "where on bf16 and fp32": lambda: torch.where(
+        torch.rand(5, 7) > 0.5, torch.randn(5, 7).bfloat16(), torch.randn(5, 7)
+    ),
+    "a comparison": lambda: torch.randn(5, 7).bfloat16() == torch.randn(5, 7),
+    "int64 times fp32": lambda: torch.arange(100) * torch.randn(100),
+    "an expanded bf16 operand": lambda: torch.randn(4, 8, 8) + torch.zeros(1, 8).bfloat16().expand(8, 8),
+}
+
+
+@pytest.mark.parametrize("make", MIXED.values(), ids=list(MIXED))
+def test_the_counter_sees_the_casts_an_elementwise_kernel_makes(make):
+    """The float copy of a bf16 mask inside an add held the peak of GPT-Neo, OLMo, Cohere-2 and Mamba in bf16 (3-7 %
+    above what the counter saw): the counter now adds it from the dtypes, to the byte of the allocator."""
+    make()
+    with torch.no_grad(), MemoryMeter("cpu") as meter:
+        out = make()
+    report = meter.report()
+    assert report.storages_peak_bytes == report.peak_bytes
+    assert report.at_peak["kernels"] > 0  # the allocator's own split still names the casts as kernel scratch
+    del out
+
+
 def test_cat_doubles_only_while_the_old_tensor_is_referenced():
     n = 1 << 20
     with MemoryMeter("cpu") as held:

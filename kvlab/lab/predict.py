@@ -16,7 +16,7 @@ from .. import theory
 from ..caches import check_layers, held_tokens
 from ..configs import is_hub_id, load_config
 from ..loops import generate, peak_steps
-from ..meter import MemoryMeter, weight_bytes
+from ..meter import MemoryMeter, MetaAsCpu, cpu_kernels, uncounted_workspace, weight_bytes
 from ..models import build_model, final_kv_bytes, instantiate, parse_dtype
 from ..schema import DESIGNS, beams, over_kv
 from .params import normalize
@@ -212,9 +212,18 @@ def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: boo
         model=model,
         weights_bytes=weights,
         memory_bytes=memory,
+        cpu_kernels=cpu_kernels(),
+        uncounted=uncounted_workspace(parse_dtype(p["dtype"])),
         designs=rows,
         refused=refused,
     )
+
+
+# What a dry run whose experts' routing depends on the data answers (kvlab.meter.MetaAsCpu).
+ROUTING_BOUND = (
+    "an upper bound: the experts' routing depends on the weights and the prompt, so the dry run gives every expert "
+    "every token in every top-k slot; measure the exact peak of a prompt with kvlab measure (--seed draws it)"
+)
 
 
 class Theory:
@@ -247,7 +256,9 @@ class DryRun:
         return self.run(design)[0].overhead_bytes
 
     def breakdown(self, design: dict) -> dict:
+        bounded = MetaAsCpu.bounded
         report, cache = self.run(design)
+        routed = MetaAsCpu.bounded > bounded  # the routing was answered by its bound (kvlab.meter.MetaAsCpu)
         config, d = self.model.config, design
         kv_final = final_kv_bytes(config, d["batch"] * beams(dict(self.p, **d)), d["prompt"] + d["new"], d["dtype"])
         peak_step = max(report.timeline, key=lambda s: s.peak_bytes).step
@@ -256,7 +267,8 @@ class DryRun:
             "kv_final_bytes": kv_final,
             "cache_tokens_per_layer": theory.tokens_per_layer(held_tokens(cache)),
             "overhead_over_kv": over_kv(report.overhead_bytes, kv_final),
-            "peak_at": f"step {peak_step} (dry run on meta)",
+            "peak_at": f"step {peak_step} (dry run on meta{', routing bounded' if routed else ''})",
+            **({"bound": ROUTING_BOUND} if routed else {}),
             "terms_bytes": {f"{part} at the peak": n for part, n in report.at_peak.items() if n and part != "weights"},
         }
 
@@ -341,6 +353,7 @@ def format_prediction(result: dict) -> str:
             "KV = prompt + new tokens in every layer that caches them; cache at the end = what each layer's "
             "storage holds (5.x sliding layers stop at the window, prealloc's at a buffer of window - 1 + "
             "block_tokens slots)",
+            f"kernels' scratch as this CPU allocates it: {r['cpu_kernels']}",
             *(
                 [
                     f"max batch / max new: the largest batch (at {r['new']} new) and the longest generation (at batch "
@@ -349,6 +362,8 @@ def format_prediction(result: dict) -> str:
                 if inverse
                 else []
             ),
+            *([f"not counted: {r['uncounted']}"] if r.get("uncounted") else []),
+            *(["routing bounded: " + ROUTING_BOUND] if any("bound" in d for d in r["designs"]) else []),
             *(f"{design}: {why}" for design, why in r.get("refused", {}).items()),
         ]
     )

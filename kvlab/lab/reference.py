@@ -115,6 +115,8 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
             # to_dict writes an infinite float as {"__float__": "Infinity"} (Mamba-2's time_step_limit); the worker
             # passes each value back to the config class, which wants the float (Python's json carries it).
             values = getattr(config, "_decode_special_floats", lambda v: v)(values)
+            if getattr(config, "_experts_implementation", None):  # to_dict leaves out how experts run (eager: a loop)
+                values["experts_implementation"] = config._experts_implementation
         else:
             values = release_values(config)
         p["overrides"] = ",".join(f"{k}={v}" for k, v in parse_overrides(p["overrides"]).items())  # as kvlab's records
