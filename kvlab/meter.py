@@ -635,7 +635,7 @@ class MetaAsCpu(TorchFunctionMode):
         if func is not torch.nn.functional.scaled_dot_product_attention or args[0].device.type != "meta":
             return func(*args, **kwargs)
         query, key, value = args[:3]
-        if not _cpu_takes_flash(query, key, value):  # decomposed into the math path, as on CPU
+        if not _cpu_takes_flash(query, key, value, kwargs.get("enable_gqa", False)):  # the math path, as on CPU
             return func(*args, **kwargs)
         mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
         if mask is not None and mask.dtype == torch.bool:  # ATen's convert_boolean_attn_mask: where(mask, 0, -inf)
@@ -668,11 +668,16 @@ def _meta_bool(tensor) -> bool:
     return tensor.device.type == "meta" and tensor.dtype == torch.bool and tensor.numel() == 1
 
 
-def _cpu_takes_flash(query, key, value) -> bool:
+def _cpu_takes_flash(query, key, value, enable_gqa: bool = False) -> bool:
     """Whether the CPU's SDPA picks its flash kernel (ATen's use_flash_attention_cpp, for what kvlab's models pass):
-    one head size for queries, keys and values, and a floating dtype it has."""
+    one head size for queries, keys and values, a floating dtype it has, and one batch and one head count for the
+    three, unless `enable_gqa` lets keys and values have a divisor of the query's heads (a multi-query layer that
+    passes one key head without it, as Falcon's, takes the math path)."""
     sizes = {query.shape[-1], key.shape[-1], value.shape[-1]}
-    return len(sizes) == 1 and query.dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    dtypes = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+    same = query.shape[:-2] == key.shape[:-2] == value.shape[:-2]
+    grouped = enable_gqa and query.shape[0] == key.shape[0] == value.shape[0] and query.shape[1] % key.shape[1] == 0
+    return len(sizes) == 1 and query.dtype in dtypes and (same or grouped)
 
 
 def storage_bytes(tensors) -> int:
