@@ -3,7 +3,7 @@
     python scripts/fidelity_table.py            # toy MHA/GQA, fp32/bf16, greedy/beam(3), batch 2, prompt 16, 32 new
 
 Each release runs in its own subprocess (kvlab.lab.reference); kvlab's loop runs here; both measured by the
-live-storage meter. Prints a Markdown table of overhead bytes and kvlab / real.
+CPU allocator. Prints a Markdown table of overhead bytes and kvlab / real.
 """
 
 import torch

@@ -35,7 +35,7 @@ prov = {
     "what": "the CPU sweeps "
     + ", ".join(sweeps)
     + " (kvlab/lab/sweeps/): the Llama-2-7B twin in bf16, one fresh papermill kernel per point running "
-    "notebooks/A1_experiment_point.ipynb, one OpenMP thread per kernel; overhead counted by the live-storage meter, "
+    "notebooks/A1_experiment_point.ipynb, one OpenMP thread per kernel; overhead measured by the CPU allocator, "
     "tokens/s from a separate run without it (on a shared, busy 2-core machine: speeds are indicative, "
     "benchmarks/speed.py compares them side by side)",
     "reproduce": [f"python -m kvlab sweep {s} --out results/{s}" for s in sweeps]

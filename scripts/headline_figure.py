@@ -1,7 +1,7 @@
 """The README's headline figure, drawn from data already committed: overhead / final KV of four designs at the
 PR's shape (Llama-2-7B, bf16, batch 8, prompt 300, 500 new tokens, greedy).
 
-Bars: the Llama-2-7B twin measured on CPU by kvlab's live-storage meter (data/cpu/results.csv, the rows of
+Bars: the Llama-2-7B twin measured on CPU by the CPU allocator (data/cpu/results.csv, the rows of
 `python -m kvlab compare --batch 8 --new 500`). Diamonds: the releases' own generate() on one H200 with the full
 Llama-2-7B config (data/design/h200.csv). Usage:
 

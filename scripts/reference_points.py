@@ -3,7 +3,7 @@
     python scripts/reference_points.py      # kvlab.lab.reference.SHOWCASE, each point by kvlab and by the release
 
 Each point of SHOWCASE runs twice, kind kvlab and kind reference (the release's own generate() in its own
-process), both measured by the live-storage meter; one row per run, with the point's name. The run is logged in
+process), both measured by the CPU allocator; one row per run, with the point's name. The run is logged in
 data/reference/provenance.json. Prints what the rows show (kvlab.lab.reference.showcase_table) and the minimal
 improvement factor measured by both beside kvlab.theory's.
 """
@@ -40,7 +40,7 @@ def main():
         "cpu",
         points=len(SHOWCASE),
         what="kvlab.lab.reference.SHOWCASE: each point by kvlab's loop (kind kvlab) and by the release's own "
-        "generate() (kind reference), live-storage meter, one thread",
+        "generate() (kind reference), the CPU allocator, one thread",
     )
     print(showcase_table(table).to_string())
     overhead = table.set_index(["name", "kind"])["overhead_bytes"]
