@@ -11,7 +11,7 @@ from kvlab.lab.store import rebuild
 root = Path(__file__).resolve().parent.parent
 sweeps = [
     s
-    for s in ("cpu-default", "cpu-prompt", "cpu-new-tokens", "cpu-batch")
+    for s in ("cpu-default", "cpu-pr-shape", "cpu-prompt", "cpu-new-tokens", "cpu-batch")
     if (root / "results" / s / "results.csv").exists()
 ]
 frames, runs = [], {}
