@@ -123,12 +123,15 @@ def _onednn_matmul(dtype: torch.dtype) -> bool:
 def uncounted_workspace(dtype: torch.dtype) -> str | None:
     """None where kvlab counts every byte a CPU run of `dtype` allocates; else a sentence naming what it does not
     count: the workspace oneDNN allocates inside a matrix product (bf16 on AVX-512 and AMX CPUs), which depends on the
-    CPU and its library version, read from the allocator on a 64 x 64 x 64 probe. Call it outside a measured block
-    (it runs the profiler)."""
+    CPU and its library version, read from the allocator on a 64 x 64 x 64 probe (under a meter already running,
+    which holds the profiler, the library's own word alone)."""
     a, b = torch.ones(64, 64, dtype=dtype), torch.ones(64, 64, dtype=dtype)
-    with CpuAllocator() as allocator:
-        out = torch.mm(a, b.t())
-    scratch = allocator.peak_bytes - out.untyped_storage().nbytes()
+    try:
+        with CpuAllocator() as allocator:
+            out = torch.mm(a, b.t())
+        scratch = allocator.peak_bytes - out.untyped_storage().nbytes()
+    except RuntimeError:  # "profiler already enabled"
+        scratch = 0
     if not scratch and not _onednn_matmul(dtype):
         return None
     return (
@@ -205,7 +208,7 @@ class LiveStorageCounter(TorchDispatchMode):
             weakref.finalize(storage, self._free, key)
             self._add(nbytes)
             self._born(serial, storage, nbytes)
-        if func is CPU_FLASH:  # on CPU, or on meta standing in for it (CpuAttentionOnMeta)
+        if func is CPU_FLASH:  # on CPU, or on meta standing in for it (MetaAsCpu)
             query, value = args[0], args[2]
             reduced = query.dtype in (torch.bfloat16, torch.float16)
             self._spike(flash_scratch_bytes(query.shape[-2], value.shape[-2], value.shape[-1], reduced))

@@ -73,7 +73,7 @@ def write_savers(names, out, command: str) -> None:
         savers=names,
         results_file="savers.csv",
         what="kvlab.savers: transformers' own generate() with each saver and without it under the meter, its peak "
-        "named by kvlab.explain; KV predicted from the shapes, peaks by a dry run on meta; live-storage counter, "
-        "one thread",
+        "named by kvlab.explain; KV predicted from the shapes, peaks by a dry run on meta; the CPU allocator's "
+        "events, the live-storage counter beside it for attribution, one thread",
         backends=versions,
     )

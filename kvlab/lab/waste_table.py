@@ -66,6 +66,6 @@ def write_waste(names, out, command: str) -> None:
         "cpu",
         points=names,
         what="kvlab.waste: transformers' own generate() under the meter and kvlab.explain, and each fix "
-        "under the meter; live-storage counter, one thread",
+        "under the meter; the CPU allocator's events, the live-storage counter beside it for attribution, one thread",
         results_file="waste.csv",
     )
