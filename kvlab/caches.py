@@ -440,14 +440,38 @@ def cache_tensors(cache) -> list[torch.Tensor]:
 
 
 def layer_tensors(layer) -> list[torch.Tensor]:
-    """The tensors one cache layer holds: ours say so; 5.x's hold keys and values (None on a layer that caches
-    nothing), conv and recurrent state, or both."""
+    """The tensors one cache layer holds for its tokens: ours say so; 5.x's hold keys and values (None on a layer
+    that caches nothing), conv and recurrent state, or both, and a quantized layer (quanto, HQQ, FP8) its packed
+    integers, scales and zero points beside its full-precision residual."""
     if hasattr(layer, "tensors"):
         return layer.tensors()
     held = [layer.keys, layer.values] if getattr(layer, "is_initialized", False) else []
     for states in (getattr(layer, "conv_states", {}), getattr(layer, "recurrent_states", {})):
         held += states.values()
+    for name in ("_quantized_keys", "_quantized_values"):
+        held += every_tensor(getattr(layer, name, None))
     return [tensor for tensor in held if tensor is not None]
+
+
+def every_tensor(value, depth: int = 0):
+    """The plain tensors in `value`: a tensor, a backend's tensor subclass (quanto's packed tensors: its inner
+    tensors), or tuples, lists, dicts and objects of them (HQQ's metadata, FP8's scale, a layer's counters)."""
+    if isinstance(value, torch.Tensor):
+        if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+            for name in value.__tensor_flatten__()[0]:
+                yield from every_tensor(getattr(value, name), depth + 1)
+        else:
+            yield value
+    elif depth < 4 and isinstance(value, (list, tuple)):
+        for item in value:
+            yield from every_tensor(item, depth + 1)
+    elif depth < 4 and isinstance(value, dict):
+        for item in value.values():
+            yield from every_tensor(item, depth + 1)
+    elif depth < 4 and hasattr(value, "__dict__") and not isinstance(value, type):
+        for name, item in vars(value).items():
+            if name not in ("quantizer", "optimizer"):  # the backends' helpers, not the cache's state
+                yield from every_tensor(item, depth + 1)
 
 
 def cache_length(cache) -> int:

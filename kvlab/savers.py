@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, DynamicCache, QuantizedCache
 
-from .caches import sliding_windows
+from .caches import every_tensor, sliding_windows
 from .compat import cache_from_outputs
 from .explain import explain, generate_call
-from .meter import MemoryMeter, weight_bytes
+from .meter import MemoryMeter, storage_bytes, weight_bytes
 from .models import build_model, element_size, head_dim, kv_heads, layer_bytes_per_token, random_prompt
 from .presets import RANDOM_INIT_STD
 
@@ -280,31 +280,9 @@ def per_head_kv_bytes(config, batch: int, tokens: int, dtype: str) -> int:
 
 
 def cache_storage_bytes(cache) -> int:
-    """Bytes of every storage a transformers cache holds (a quantized backend's packed data, scales and zero
-    points included; a view counts its whole storage)."""
-    storages = {}
-    for tensor in _tensors(cache.layers):
-        storages[tensor.untyped_storage()._cdata] = tensor.untyped_storage().nbytes()
-    return sum(storages.values())
-
-
-def _tensors(value, depth: int = 0):
-    if isinstance(value, torch.Tensor):
-        if type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):  # quanto's packed tensors
-            for name in value.__tensor_flatten__()[0]:
-                yield from _tensors(getattr(value, name), depth + 1)
-        else:
-            yield value
-    elif depth < 4 and isinstance(value, (list, tuple)):
-        for item in value:
-            yield from _tensors(item, depth + 1)
-    elif depth < 4 and isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors(item, depth + 1)
-    elif depth < 4 and hasattr(value, "__dict__") and not isinstance(value, type):
-        for name, item in vars(value).items():
-            if name not in ("quantizer", "optimizer"):  # the backends' helpers, not the cache's state
-                yield from _tensors(item, depth + 1)
+    """Bytes of every storage a transformers cache holds: `kvlab.caches.cache_bytes`' tensors and the layers' own
+    counters (a sliding layer's position tensor), which kv_bytes counts too."""
+    return storage_bytes(list(every_tensor(cache.layers)))
 
 
 def measure(model, ids, new: int, options: dict) -> dict:
@@ -470,15 +448,19 @@ def predicted(name: str, point: dict) -> dict:
     options, new, batch, dtype = point["generate"], point["new"], point["batch"], point["dtype"]
     tokens = point["prompt"] + new - 1  # the last new token is never fed back; one update per forward
     meta, base = _model(point, "meta"), _model(point, "meta", baseline=True)
-    if name in BASELINE_NOT_RUN:  # MLA: the latent against each head's K and V
+    baseline = None  # the dry run of the model without the saver (MLA's baseline is not run: per-head K and V)
+    if name in BASELINE_NOT_RUN:
         kv_base, peak_base = per_head_kv_bytes(meta.config, batch, tokens, dtype), None
     else:
         key = _key(point, "predicted")
         if key not in _BASELINES:
             _BASELINES[key] = dry_run(base, new, batch, point["prompt"], {})
-        kv_base, peak_base = kv_bytes(base.config, {}, batch, tokens, dtype, new), _BASELINES[key].peak_bytes
+        baseline = _BASELINES[key]
+        kv_base, peak_base = kv_bytes(base.config, {}, batch, tokens, dtype, new), baseline.peak_bytes
     if name == "offloaded":
-        peak = offloaded_peak(meta.config, _BASELINES[key], batch, point["prompt"], tokens, dtype)
+        if baseline is None:
+            raise ValueError("offloading is predicted from the baseline's dry run, which this saver does not run")
+        peak = offloaded_peak(meta.config, baseline, batch, point["prompt"], tokens, dtype)
         kv = offloaded_kv_bytes(meta.config, batch, tokens, dtype)
     else:
         peak = dry_run_peak(meta, new, batch, point["prompt"], options)

@@ -723,12 +723,12 @@ def breakdown(config, **point) -> dict:
     }
 
 
-def improvement_factors(config, batch=1, prompt=300, new=500, dtype="bfloat16"):
+def improvement_factors(config, batch=1, prompt=300, new=None, dtype="bfloat16"):
     """The PR's bounds on the v4.40 / v4.42 peak (tuple cache before, one dynamic cache after).
 
-    Maximal: the cache dominates (many new tokens): v4.40's peak holds two caches, v4.42's one.
-    Minimal: two new tokens, where v4.40's peak is at step 2 (2 x prompt cache + the leaked
-    first-iteration logits) and v4.42's is bounded by the prompt's own forward.
+    Minimal: two new tokens, where v4.40's peak is at step 2 (2 x prompt cache + the leaked first-iteration logits)
+    and v4.42's is bounded by the prompt's own forward. Maximal: at `new` tokens, or, not given, where the cache
+    dominates (16 x the prompt's tokens), v4.40's peak holding two caches and v4.42's one.
     """
     point = dict(batch=batch, prompt=prompt, dtype=dtype)
 
@@ -737,4 +737,4 @@ def improvement_factors(config, batch=1, prompt=300, new=500, dtype="bfloat16"):
             config, cache="dynamic", loop="v4.42", new=n, **point
         )
 
-    return ratio(2), ratio(max(new, 16 * prompt))
+    return ratio(2), ratio(16 * prompt if new is None else new)

@@ -12,10 +12,10 @@ import copy
 import pytest
 import torch
 from transformers import DynamicCache, set_seed
-from transformers.cache_utils import Cache
 
 from kvlab.caches import CatLayer, KVCache, ListLayer, PreallocLayer, TupleCache, WindowLayer, cache_bytes, make_cache
 from kvlab.compat import cache_argument, cache_from_outputs
+from kvlab.loops import cache_batch
 from kvlab.meter import MemoryMeter
 from kvlab.models import assert_varied, build_model
 
@@ -60,10 +60,11 @@ def test_dynamic_cache_retrocompatibility(design):
     """Tests that we can convert back and forth between the legacy cache format and the cache object."""
     legacy_cache = ()
     new_cache_ = new_cache(design, 10)
-    for layer_idx in range(10):  # a cache with 10 layers in both formats
-        new_key, new_value = torch.rand((2, 4, 8, 16)), torch.rand((2, 4, 8, 16))
-        new_cache_.update(new_key, new_value, layer_idx)
-        legacy_cache += ((new_key, new_value),)
+    for layer_idx in range(10):  # a cache with 10 layers in both formats: 7 tokens, then one more
+        keys, values = torch.rand((2, 4, 8, 16)), torch.rand((2, 4, 8, 16))
+        new_cache_.update(keys[:, :, :7].clone(), values[:, :, :7].clone(), layer_idx)
+        new_cache_.update(keys[:, :, 7:].clone(), values[:, :, 7:].clone(), layer_idx)
+        legacy_cache += ((keys, values),)  # what the two updates must hold, made apart from the cache's tensors
     layers = new_cache_.layers
     # Sanity check 1: the same shapes; 2: the sequence length in several ways; 3: the same values
     for layer_idx in range(10):
@@ -211,8 +212,11 @@ def model():
 
 
 def hf_generate(model, design, input_ids, attention_mask=None, **kwargs):
-    """transformers' own generate(); `design` None: its default DynamicCache."""
-    cache = {} if design is None else {cache_argument(model): new_cache(design, model.config.num_hidden_layers)}
+    """transformers' own generate(); `design` None: its default DynamicCache; a cache object: that one."""
+    if design is not None and not isinstance(design, str):
+        cache = {cache_argument(model): design}
+    else:
+        cache = {} if design is None else {cache_argument(model): new_cache(design, model.config.num_hidden_layers)}
     mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
     options = dict(do_sample=False, max_new_tokens=10, min_new_tokens=10, return_dict_in_generate=True)
     return model.generate(input_ids, attention_mask=mask, **{**options, **cache, **kwargs})
@@ -233,17 +237,26 @@ PROMPTS = [[5, 17, 3, 99, 41, 8, 250], [11, 2, 600]]
 def test_cache_batched(model, design):
     """Sanity check: caches' `.update` function expects batched inputs."""
     ids, mask = left_padded(PROMPTS)
-    gen_out = hf_generate(model, design, ids, mask)
-    assert isinstance(cache_from_outputs(gen_out), Cache)  # a cache was used
+    ours = new_cache(design, model.config.num_hidden_layers)
+    gen_out = hf_generate(model, ours, ids, mask)
+    used_by_generate(ours, gen_out, rows=2, tokens=ids.shape[1] + 10 - 1)
     assert torch.equal(gen_out.sequences, hf_generate(model, None, ids, mask).sequences)
+
+
+def used_by_generate(ours, gen_out, rows: int, tokens: int):
+    """generate() decoded into our cache object: it returns that very object, holding every row and every token fed
+    (the last new token is never fed back)."""
+    assert cache_from_outputs(gen_out) is ours
+    assert cache_batch(ours) == rows and ours.get_seq_length() == tokens
 
 
 @pytest.mark.parametrize("design", DESIGNS)
 def test_cache_beam_search(model, design):
     """Sanity check: caches' `reorder_cache` is operational (an output sequence holds several beam indices)."""
     ids = torch.tensor([PROMPTS[0]])
-    gen_out = hf_generate(model, design, ids, num_beams=2, num_return_sequences=2)
-    assert isinstance(cache_from_outputs(gen_out), Cache)
+    ours = new_cache(design, model.config.num_hidden_layers)
+    gen_out = hf_generate(model, ours, ids, num_beams=2, num_return_sequences=2)
+    used_by_generate(ours, gen_out, rows=2, tokens=ids.shape[1] + 10 - 1)
     assert any(len(set(beams_in_sequence.tolist())) > 1 for beams_in_sequence in gen_out.beam_indices)
     assert torch.equal(gen_out.sequences, hf_generate(model, None, ids, num_beams=2, num_return_sequences=2).sequences)
 

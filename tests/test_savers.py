@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from kvlab import savers
-from kvlab.caches import CACHES
+from kvlab.caches import CACHES, cache_bytes
+from kvlab.compat import cache_from_outputs
 from kvlab.explain import generate_call
 from kvlab.loops import generate
 from kvlab.meter import weight_bytes
@@ -99,6 +100,19 @@ def test_a_layout_saver_holds_less_kv_than_the_same_model_without_it(name):
     assert measured(name)["kv"] < measured(name, baseline=True)["kv"]
 
 
+def test_cache_bytes_counts_a_quantized_caches_packed_tensors():
+    """kvlab.caches.cache_bytes, whose tensors kvlab's loops label as KV, holds an FP8 cache at what its shapes say:
+    the quantized keys and values and their scales beside the residual (it once counted the residual alone)."""
+    point = small("fp8")
+    model = savers._model(point)
+    ids = random_prompt(model.config.vocab_size, point["batch"], point["prompt"], 0)
+    with torch.no_grad():
+        out = generate_call(model, ids, point["new"], return_dict_in_generate=True, **point["generate"])()
+    tokens = point["prompt"] + point["new"] - 1
+    expected = savers.kv_bytes(model.config, point["generate"], point["batch"], tokens, point["dtype"], point["new"])
+    assert cache_bytes(cache_from_outputs(out)) == expected
+
+
 def test_explain_names_fp8s_dequantized_layer_at_its_peak():
     # a short prompt, a long generation: the peak at the last step, not in the prompt's forward
     point = dict(small("fp8"), batch=1, prompt=8, new=40)
@@ -117,6 +131,19 @@ def test_every_design_decodes_generates_tokens_with_a_chunked_prefill():
     assert_varied(want[:, 20:])
     for cache in CACHES:
         assert torch.equal(generate(model, ids, 8, cache=cache, prefill_chunk=8).tokens, want), cache
+
+
+@pytest.mark.slow  # two dry runs of the 32-layer twin each
+@pytest.mark.parametrize("name", ["fp8", "prefill-chunks"])  # transformers' own savers: no extra backend
+def test_todays_prediction_is_the_stored_measurement(name):
+    """The stored measurement (generate() under the meter) against what kvlab predicts now, from the shapes and a dry
+    run on meta: the table's measured columns are not taken on trust from its predicted ones, nor the reverse."""
+    stored = pd.read_csv(TABLE).set_index("saver").loc[name]
+    guess = savers.predicted(name, savers.SAVERS[name])
+    assert guess["weights"] == stored["weights_bytes"] and guess["kv"] == stored["kv_bytes"]
+    assert guess["peak"] - stored["peak_bytes"] == pytest.approx(
+        0, abs=0.01 * (stored["peak_bytes"] - guess["weights"])
+    )
 
 
 def test_the_stored_table_keeps_the_claims():

@@ -173,11 +173,20 @@ def test_restart_from_a_held_cache_costs_two_to_three_times(toy):
 
 
 def test_improvement_factors_bracket_the_measured_ratio(cache_dominated, toy):
-    minimal, maximal = theory.improvement_factors(toy.config, batch=8, prompt=64, new=256, dtype="float32")
+    minimal, maximal = theory.improvement_factors(toy.config, batch=8, prompt=64, dtype="float32")
     measured = (
         cache_dominated["tuple", "v4.40"]["overhead_bytes"] / cache_dominated["dynamic", "v4.42"]["overhead_bytes"]
     )
     assert 1 <= minimal <= measured <= maximal * 1.001 <= 2.001
+
+
+def test_improvement_factors_at_the_new_tokens_asked_for(toy):
+    """`new` given: the maximal factor is the ratio at that many tokens (it was ignored below 16 x the prompt)."""
+    point = dict(batch=2, prompt=64, dtype="float32")
+    at = lambda new, cache, loop: theory.predict_overhead(toy.config, new=new, cache=cache, loop=loop, **point)  # noqa: E731
+    _, maximal = theory.improvement_factors(toy.config, new=100, **point)
+    assert maximal == at(100, "tuple", "v4.40") / at(100, "dynamic", "v4.42")
+    assert theory.improvement_factors(toy.config, **point)[1] > maximal  # the limit: the cache dominates
 
 
 def test_the_terms_theory_names_are_what_the_meter_labels_at_the_peak(toy):

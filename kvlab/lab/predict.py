@@ -1,4 +1,5 @@
-"""Will this point fit? The predicted peak (weights + `kvlab.theory`'s overhead), before anything is allocated.
+"""Will this point fit? The predicted peak (weights + the overhead: `kvlab.theory`'s walk for the families it
+models, a dry run of kvlab's loop on the meta device for every other decoder), before anything is allocated.
 The weights are counted by building the model on the meta device (shapes, no data), so tied embeddings and
 buffers count exactly as in `meter.weight_bytes`. `measure` and `sweep` call `check_fits` first.
 """

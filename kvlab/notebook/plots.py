@@ -256,7 +256,7 @@ def improvement_table(df: pd.DataFrame, vary: str = "new") -> pd.DataFrame:
         raise ValueError("the table needs both tuple/v4.40 and dynamic/v4.42 points")
     table[["minimal", "maximal"]] = table.apply(
         lambda row: theory.improvement_factors(
-            _config(row), batch=int(row["batch"]), prompt=int(row["prompt"]), new=int(row["new"]), dtype=row["dtype"]
+            _config(row), batch=int(row["batch"]), prompt=int(row["prompt"]), dtype=row["dtype"]
         ),
         axis=1,
         result_type="expand",
