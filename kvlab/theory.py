@@ -169,7 +169,8 @@ class Run:
         self.groups = s.heads // s.kv_heads
         self.window = next((w for w in windows if w), None)  # the sliding mask's (one for every sliding layer)
         # 5.18+ generate() drops the all-ones padding mask: the masks it builds then have one row for every sequence.
-        self.mask_rows = 1 if release.major == 5 and generate_drops_ones_mask() else s.rows
+        self.passes_mask = not (release.major == 5 and generate_drops_ones_mask())
+        self.mask_rows = s.rows if self.passes_mask else 1
         self.last_window, self.has_full = windows[-1], None in windows
         # 5.x's StaticCache gives a sliding layer min(W, length) slots; empty where no layer is shorter.
         static = [min(w or self.static_len, self.static_len) for w in windows] if cache == "static" else []
@@ -576,13 +577,13 @@ def _phases(r: Run, walk: CacheWalk, step: Step) -> dict:
 
 def _held_through_the_step(r: Run, step: Step) -> dict:
     """What lives through every phase of the step: the loop's token ids, mask and positions (the prompt's ids exist
-    before the first forward: only its mask and positions are new. 5.18+ generate() passes no mask, yet its peaks sit
-    about one such int64 tensor above kvlab's maskless v5 loop (tests/test_held_out.py): counted as before), v4.40's
-    previous outputs (the fp32 logits of every fed position), 5.x's beam buffers, and the tuples a caller still
-    holds."""
+    before the first forward: only its mask and positions are new; 5.18+ generate(), and kvlab's v5 loop with it,
+    passes no mask of ones), v4.40's previous outputs (the fp32 logits of every fed position), 5.x's beam buffers,
+    and the tuples a caller still holds."""
     s = r.s
+    int64s = 2 + r.passes_mask - (step.index == 0)
     terms = {
-        "tokens, attention mask and position ids (int64)": (3 - (step.index == 0)) * s.rows * step.after * INT64,
+        "tokens, attention mask and position ids (int64)": int64s * s.rows * step.after * INT64,
         "previous step's logits (v4.40)": (s.rows * step.previous_fed * s.vocab * FP32 if r.keeps_outputs else 0),
     }
     if r.strategy == "beam" and r.release.major == 5:
