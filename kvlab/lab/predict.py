@@ -354,7 +354,7 @@ def format_prediction(result: dict) -> str:
             "KV = prompt + new tokens in every layer that caches them; cache at the end = what each layer's "
             "storage holds (5.x sliding layers stop at the window, prealloc's at a buffer of window - 1 + "
             "block_tokens slots)",
-            f"kernels' scratch as this CPU allocates it: {r['cpu_kernels']}",
+            *([f"kernels' scratch as this CPU allocates it: {r['cpu_kernels']}"] if r.get("cpu_kernels") else []),
             *(
                 [
                     f"max batch / max new: the largest batch (at {r['new']} new) and the longest generation (at batch "
