@@ -18,7 +18,7 @@ _PUBLIC = {
     "make_cache": "caches",
     "generate": "loops",
     "MemoryMeter": "meter",
-    "predict": "lab.predict",
+    "predict": "planner.plan",
 }
 __all__ = list(_PUBLIC)
 

@@ -392,46 +392,6 @@ def make_cache(
     )
 
 
-def advance(cache, tokens: int) -> None:
-    """Grow every attention layer of `cache` by `tokens` tokens, one at a time as decoding steps add them, without
-    a forward: on meta, where no value is read, this is what the steps a dry run skips leave behind (kvlab.loops).
-    Recurrent state does not grow; a layer that caches nothing is left alone."""
-    for layer in cache.layers:
-        if (held := _last_written(layer)) is None:
-            continue
-        # Shapes, not the tensors: holding the layer's old keys and values would keep them alive while it grows.
-        token = [((*t.shape[:-2], 1, t.shape[-1]), t.dtype, t.device) for t in held]
-        del held
-        for _ in range(tokens):
-            layer.update(*(torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in token))
-
-
-def _last_written(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A tensor of the layer's keys and one of its values (their shapes but the length are the next token's), read
-    without a copy (ListLayer.keys would join its chunks); None for a layer without keys and values."""
-    if isinstance(layer, ListLayer):
-        return (layer.key_chunks[-1], layer.value_chunks[-1]) if layer.key_chunks else None
-    if isinstance(layer, PreallocLayer):
-        return (layer.key_buffer, layer.value_buffer) if layer.key_buffer is not None else None
-    keys = getattr(layer, "keys", None)
-    return (keys, layer.values) if getattr(layer, "is_initialized", False) and keys is not None else None
-
-
-def held_tokens(cache) -> list[int]:
-    """Tokens each layer's storage has room for (a sliding layer's view of a longer buffer counts the buffer, a list
-    layer its chunks); 0 for a layer without keys and values."""
-    held = []
-    for layer in cache.layers:
-        keys = layer.key_chunks if isinstance(layer, ListLayer) else [(_last_written(layer) or (None,))[0]]
-        held.append(sum(_storage_tokens(t) for t in keys if t is not None))
-    return held
-
-
-def _storage_tokens(tensor: torch.Tensor) -> int:
-    per_token = tensor.numel() // tensor.shape[-2] * tensor.element_size() if tensor.shape[-2] else 0
-    return tensor.untyped_storage().nbytes() // per_token if per_token else 0
-
-
 def cache_tensors(cache) -> list[torch.Tensor]:
     """Every tensor a cache (object, or tuple of pairs) holds, for labelling and sizing."""
     if isinstance(cache, (tuple, list)):

@@ -128,7 +128,7 @@ def cmd_measure(args) -> None:
 
 
 def cmd_predict(args) -> None:
-    from .lab.predict import predict
+    from .planner.plan import predict
 
     result = predict(
         **_point_params(args),
@@ -149,8 +149,8 @@ def cmd_explain(args) -> None:
 def check_explain(options: dict, overrides) -> None:
     """explain's point checked as any point is (sizes, a decoder, its cache) and, since it runs for real on this
     CPU, refused when predicted not to fit in its free memory: one line, before a model is built."""
-    from .lab.params import normalize
-    from .lab.predict import TooBig, check_fits
+    from .planner.params import normalize
+    from .planner.plan import TooBig, check_fits
 
     point = {key: options[key] for key in ("preset", "batch", "prompt", "new", "dtype", "seed")}
     if options["generate_of"] == "kvlab":  # another generate() brings its own cache

@@ -34,9 +34,8 @@ from transformers import (
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .caches import CACHES, advance, cache_length, cache_tensors, forward, make_cache
+from .caches import CACHES, cache_length, cache_tensors, forward, make_cache
 from .compat import cache_from_outputs, generate_drops_ones_mask
-from .meter import MetaAsCpu
 
 
 @dataclass(frozen=True)
@@ -67,6 +66,29 @@ class Sampling:
             + ([TopKLogitsWarper(self.top_k)] if self.top_k > 0 else [])
             + ([TopPLogitsWarper(self.top_p)] if self.top_p < 1.0 else [])
         )
+
+
+@dataclass(frozen=True)
+class Beams:
+    """strategy="beam": `num_beams` continuations kept per row of the prompt."""
+
+    num_beams: int = 4
+
+
+def decoding(strategy: str, num_beams: int = 4, sampling: Sampling = Sampling()):
+    """What `generate(strategy=...)` takes for a point's strategy name and beam count."""
+    check_choice("strategy", strategy, STRATEGIES)
+    return {"greedy": "greedy", "sample": sampling, "beam": Beams(num_beams)}[strategy]
+
+
+def _strategy(strategy) -> tuple[str, int, Sampling]:
+    """(name, beams, sampling) of `generate`'s strategy argument."""
+    if isinstance(strategy, Sampling):
+        return "sample", 1, strategy
+    if isinstance(strategy, Beams):
+        return "beam", strategy.num_beams, Sampling()
+    check_choice("strategy", strategy, STRATEGIES)
+    return strategy, Beams().num_beams, Sampling()
 
 
 @dataclass
@@ -143,42 +165,40 @@ def generate(
     input_ids: torch.Tensor,
     new_tokens: int,
     *,
-    cache: str = "dynamic",
+    cache="dynamic",
     loop: str = "v5",
-    strategy: str = "greedy",
-    num_beams: int = 4,
-    sampling: Sampling = Sampling(),
-    past=None,
+    strategy="greedy",
     meter=None,
     cache_options: dict | None = None,
-    steps=None,
     prefill_chunk: int | None = None,
+    step_forward=None,
 ) -> Generation:
-    """Decode `new_tokens` tokens after `input_ids` as release `loop` did; continue from `past` if given.
+    """Decode `new_tokens` tokens after `input_ids` as release `loop` did.
 
     model: a decoder in eval mode (`kvlab.models.build_model`).
     input_ids: (batch, prompt) token ids; in a restart, the `tokens` of the first call's Generation (for beam
         search, its batch x beams rows).
     new_tokens: how many tokens to decode, at least 1; no EOS stops the loop early.
-    cache: the design of the cache the loop starts (`kvlab.caches.CACHES`); unused when `past` is given.
+    cache: the design of the cache the loop starts (`kvlab.caches.CACHES`), or a cache to continue from (the
+        `cache` of an earlier Generation, or any transformers `Cache`).
     loop: the release whose `generate()` loop this is (`LOOPS`: v4.40, v4.42, v5).
-    strategy: greedy, sample (seeded, see `sampling`) or beam (see `num_beams`) (`STRATEGIES`).
-    num_beams: beams per row of the prompt, for strategy="beam".
-    sampling: the warpers and the seed of strategy="sample".
-    past: the cache to continue from (the `cache` of an earlier Generation), or None to start an empty one.
+    strategy: "greedy", "sample" (seeded, `Sampling()`) or "beam" (`Beams()`: 4 beams), or a `Sampling` or
+        `Beams` of your own (`decoding` makes one from a strategy's name).
     meter: a `kvlab.meter.MemoryMeter` already entered, or None: it is told where each step ends and which
         tensors are cache and logits, so it can draw the timeline and split the peak.
     cache_options: keywords for `make_cache` (chunk_limit, block_tokens, max_cache_len) when the loop starts a cache.
-    steps: on meta, the steps to decode with a forward (`peak_steps`); between two of them the cache and the tokens
-        grow as the skipped steps would grow them, without a forward. None: every step.
     prefill_chunk: the prompt's forward in chunks of this many tokens, as generate()'s `prefill_chunk_size` (v5).
+    step_forward: called instead of `kvlab.caches.forward` at each decoding step, as `step_forward(step, model,
+        cache, **inputs)`, returning what it returns: (outputs, the cache to continue from). The planner's dry run
+        (kvlab.planner.dry_run) uses it to grow the cache without a forward at the steps that cannot hold the peak.
     """
+    strategy, num_beams, sampling = _strategy(strategy)
+    past = None if isinstance(cache, str) else cache
+    cache = "dynamic" if past is not None else cache
     _check(cache, loop, strategy, new_tokens)
     if prefill_chunk is not None and (loop != "v5" or prefill_chunk < 1):
         raise ValueError("prefill_chunk: a positive number of tokens, under the v5 loop (prefill_chunk_size is 5.x's)")
     release, device, tokens = LOOPS[loop], input_ids.device, input_ids
-    if steps is not None and (device.type != "meta" or {0, new_tokens - 1} - set(steps)):
-        raise ValueError("steps: on the meta device only, with the first and the last step among them")
     if strategy == "beam" and past is None:
         tokens = tokens.repeat_interleave(num_beams, dim=0)  # as generate() does, before the prompt
     kv = _start_cache(model, release, cache, tokens, new_tokens, strategy, past, cache_options)
@@ -186,32 +206,29 @@ def generate(
     outputs = None
     # The loop counts the tokens fed so far: a cache of recurrent layers only has no length to ask.
     cached = 0 if past is None else cache_length(past)
-    skipped = 0
     # 5.18 and later: the position ids made once from a mask of ones, which is then dropped; grown a token a step.
     positions = _generate_positions(tokens) if release.major == 5 and generate_drops_ones_mask() else None
+    if step_forward is None:
+        step_forward = lambda step, *args, **inputs: forward(*args, **inputs)  # noqa: E731
     start = time.perf_counter()
-    with _grad_mode(device), _forward_of(model, release, meter) as forward_options:
+    # no_grad, as generate() runs, so that a dispatch mode sees SDPA's own operators (the float copy of a bool mask,
+    # the CPU flash kernel's outputs: the meter adds the kernel's scratch from their shapes); under an outer
+    # inference_mode SDPA is one operator again.
+    with torch.no_grad(), _forward_of(model, release, meter) as forward_options:
         kv, earlier, cached = _prefill_chunks(model, kv, tokens, cached, prefill_chunk, forward_options, positions)
         for step in range(new_tokens):
-            if steps is not None and step not in steps:
-                skipped += 1
-                continue
-            if skipped:  # as the skipped steps left them: one token more per step in the cache and the tokens
-                _skip(kv, outputs, skipped)
-                tokens = torch.cat([tokens, choose.next_tokens[:, None].expand(-1, skipped)], dim=-1)
-                positions = _grow_positions(positions, skipped)
-                cached, skipped = tokens.shape[1] - 1, 0
             # 4.x and 5.17, as generate() made them: a mask of ones, and position ids per row from its cumsum.
             # The forward gets a view of the new positions (so rotary cos/sin have a row per sequence too).
             mask = torch.ones(tokens.shape, dtype=torch.long, device=device) if positions is None else None
             step_positions = mask.cumsum(-1) - 1 if positions is None else positions
-            new_outputs, handed_back = forward(
+            new_outputs, handed_back = step_forward(
+                step,
                 model,
                 kv,
                 input_ids=tokens[:, cached:],
                 position_ids=step_positions[:, cached:],
                 use_cache=True,
-                attention_mask=mask,  # on meta too: MetaAsCpu answers what transformers asks of its values
+                attention_mask=mask,  # on meta too: the planner's MetaAsCpu answers what transformers asks of it
                 **forward_options,
             )
             if release.keeps_previous_outputs:
@@ -282,45 +299,6 @@ def _prefill_chunks(model, kv, tokens, cached: int, chunk: int | None, forward_o
             **forward_options,
         )
     return kv, outputs, starts[-1] if starts else cached
-
-
-def _skip(kv, outputs, tokens: int) -> None:
-    """Grow the cache by the tokens of skipped steps (meta only). v4.40's kept `outputs` hold the cache object the
-    last forward returned; for `tuple` it is another object: sharing the loop's tensors (its layers are repointed
-    at the grown ones) or, after a beam reorder, holding the un-reordered copy (grown too)."""
-    returned = cache_from_outputs(outputs) if outputs is not None else kv
-    shared = returned is kv or cache_tensors(returned)[0] is cache_tensors(kv)[0]
-    advance(kv, tokens)
-    if returned is kv:
-        return
-    if not shared:
-        advance(returned, tokens)
-        return
-    for theirs, ours in zip(returned.layers, kv.layers):
-        theirs.keys, theirs.values = ours.keys, ours.values
-
-
-def peak_steps(cache: str, new_tokens: int, block_tokens: int = 32, chunk_limit: int = 50) -> frozenset[int]:
-    """The steps whose forward can hold a run's peak: the prompt's (0), the first decode step (where what the
-    prompt's step left still lives) and the last; for `prealloc` the last `block_tokens` steps, for `list` the last
-    `chunk_limit` ones. Why (tested against full runs' timelines in tests/test_dry_run.py): from
-    step 2 on each step holds what the one before held with a token more in every growing tensor, so a later
-    step holds at least as much; except where a design reallocates only every few steps (prealloc's buffers and
-    window moves every `block_tokens`, list's consolidation every `chunk_limit - 1`), and the last such step
-    holds at least as much as any earlier one."""
-    period = {"prealloc": block_tokens, "list": chunk_limit}.get(cache, 1)
-    last = new_tokens - 1
-    return frozenset(step for step in (0, 1, *range(last - period + 1, last + 1)) if 0 <= step <= last)
-
-
-@contextlib.contextmanager
-def _grad_mode(device: torch.device):
-    """no_grad, as generate() runs, so that a dispatch mode sees SDPA's own operators (the float copy of a bool mask,
-    the CPU flash kernel's outputs; the meter adds the kernel's scratch from their shapes). Under an outer
-    inference_mode SDPA is one operator again. On meta, which has no SDPA kernel of its own (PyTorch would
-    decompose it into its math path), `MetaAsCpu` runs it as the CPU does."""
-    with torch.no_grad(), MetaAsCpu() if device.type == "meta" else contextlib.nullcontext():
-        yield
 
 
 def _check(cache: str, loop: str, strategy: str, new_tokens: int) -> None:

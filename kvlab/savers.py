@@ -31,6 +31,7 @@ from .compat import cache_from_outputs
 from .explain import explain, generate_call
 from .meter import MemoryMeter, storage_bytes, weight_bytes
 from .models import build_model, element_size, head_dim, kv_heads, layer_bytes_per_token, random_prompt
+from .planner.dry_run import dry_run
 from .presets import RANDOM_INIT_STD
 
 # One point for the cache savers: the Llama-2-7B twin (its widths / 32, its layers and ratios), bf16, batch 1,
@@ -334,24 +335,16 @@ def generate_cache(model, options: dict):
 def dry_run_peak(model, new: int, batch: int, prompt: int, options: dict) -> int:
     """The peak (weights included) of kvlab's v5 loop on the meta device (`model` built there), decoding into
     generate_cache(options), the prompt's forward in `prefill_chunk_size` chunks where asked."""
-    return weight_bytes(model) + dry_run(model, new, batch, prompt, options).overhead_bytes
+    return weight_bytes(model) + dry_run_report(model, new, batch, prompt, options).overhead_bytes
 
 
-def dry_run(model, new: int, batch: int, prompt: int, options: dict):
-    """dry_run_peak's run: the meter's report (its timeline: each step's peak above the weights and inputs)."""
-    from .loops import generate
-
-    ids = torch.empty((batch, prompt), dtype=torch.long, device="meta")
-    with MemoryMeter("meta", model) as meter:
-        generate(
-            model,
-            ids,
-            new,
-            past=generate_cache(model, options),
-            prefill_chunk=options.get("prefill_chunk_size"),
-            meter=meter,  # told where each step ends: the report's timeline
-        )
-    return meter.report()
+def dry_run_report(model, new: int, batch: int, prompt: int, options: dict):
+    """dry_run_peak's run (the planner's dry run, every step: a quantized cache's peak can fall between its
+    quantizations): the meter's report, whose timeline has each step's peak above the weights and inputs."""
+    cache = generate_cache(model, options)
+    return dry_run(model, batch, prompt, new, skip=False, cache=cache, prefill_chunk=options.get("prefill_chunk_size"))[
+        0
+    ]
 
 
 def offloaded_peak(config, report, batch: int, prompt: int, tokens: int, dtype: str) -> int:
@@ -454,7 +447,7 @@ def predicted(name: str, point: dict) -> dict:
     else:
         key = _key(point, "predicted")
         if key not in _BASELINES:
-            _BASELINES[key] = dry_run(base, new, batch, point["prompt"], {})
+            _BASELINES[key] = dry_run_report(base, new, batch, point["prompt"], {})
         baseline = _BASELINES[key]
         kv_base, peak_base = kv_bytes(base.config, {}, batch, tokens, dtype, new), baseline.peak_bytes
     if name == "offloaded":

@@ -286,7 +286,7 @@ def _text(values: dict) -> str:
 def fix_prealloc(model, ids, point) -> int:
     """kvlab's `prealloc` under its 5.x loop: written in place (on sliding layers kvlab.caches.WindowLayer: the last
     window - 1 tokens in a buffer of window - 1 + 32 slots, nothing of the prompt's length kept)."""
-    from .loops import generate
+    from .loops import Beams, generate
 
     return metered(
         lambda: generate(
@@ -295,7 +295,7 @@ def fix_prealloc(model, ids, point) -> int:
             point["new"],
             cache="prealloc",
             loop="v5",
-            strategy="beam" if point["generate"].get("num_beams") else "greedy",
+            strategy=Beams(point["generate"]["num_beams"]) if point["generate"].get("num_beams") else "greedy",
         ),
         model,
     )[0]

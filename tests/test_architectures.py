@@ -10,10 +10,10 @@ from transformers import AutoConfig
 from kvlab.caches import ATTENTION, CACHES
 from kvlab.compat import cache_from_outputs
 from kvlab.lab.point import run_point
-from kvlab.lab.predict import predict
 from kvlab.lab.reference import measure_references
-from kvlab.loops import LOOPS, generate
+from kvlab.loops import LOOPS, decoding, generate
 from kvlab.models import assert_varied, build_model, final_kv_bytes, layer_kinds, random_prompt
+from kvlab.planner.plan import predict
 from kvlab.savers import TINY
 from kvlab.schema import DEFAULTS
 
@@ -168,7 +168,7 @@ def test_kvlab_measures_what_transformers_generate_holds(folders, strategy):
         assert row["predicted_overhead_bytes"] == pytest.approx(reference["overhead_bytes"], rel=0.01), model_type
         # The same seeded prompt as both runs: the same tokens (beam search: the best beam, every row's first)
         prompt = random_prompt(model.config.vocab_size, POINT["batch"], POINT["prompt"], DEFAULTS["seed"])
-        out = generate(model, prompt, POINT["new"], strategy=strategy, num_beams=reference["num_beams"])
+        out = generate(model, prompt, POINT["new"], strategy=decoding(strategy, reference["num_beams"]))
         assert out.tokens[:: reference["num_beams"], POINT["prompt"] :].tolist() == reference["tokens"], model_type
 
 

@@ -15,7 +15,7 @@ from transformers.cache_utils import DynamicCache
 
 from kvlab.caches import CACHES, cache_length
 from kvlab.compat import cache_argument, cache_from_outputs
-from kvlab.loops import LOOPS, generate
+from kvlab.loops import LOOPS, decoding, generate
 
 OLD = "past_key_values"
 
@@ -126,9 +126,9 @@ def test_a_forward_naming_neither_gets_the_name_the_model_below_fills(toy, ids):
 def test_kvlab_decode_fills_its_cache_without_the_deprecated_name(toy, prompt, strategy):
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        generate(toy, prompt, 3, strategy=strategy, num_beams=2)  # the defaults
+        generate(toy, prompt, 3, strategy=decoding(strategy, 2))  # the defaults
         for cache in CACHES:
             for loop in LOOPS:
-                out = generate(toy, prompt, 3, cache=cache, loop=loop, strategy=strategy, num_beams=2)
+                out = generate(toy, prompt, 3, cache=cache, loop=loop, strategy=decoding(strategy, 2))
                 assert cache_length(out.cache) == prompt.shape[1] + 2  # the forward filled kvlab's cache
     assert not [str(w.message) for w in caught if OLD in str(w.message)]

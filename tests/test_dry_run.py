@@ -1,7 +1,7 @@
-"""The dry run: kvlab's loop on the meta device with CPU's SDPA and masks (kvlab.meter.MetaAsCpu), the forward run
-only at the steps that can hold the peak (kvlab.loops.peak_steps). Two claims, each against full CPU runs: the
-skipped steps never hold the peak (their timelines), and the meta count is the CPU's (within 8 bytes: a 0-dim
-scalar or two)."""
+"""The dry run: kvlab's loop on the meta device with CPU's SDPA and masks (kvlab.planner.meta.MetaAsCpu), the
+forward run only at the steps that can hold the peak (kvlab.planner.dry_run.peak_steps). Two claims, each against
+full CPU runs: the skipped steps never hold the peak (their timelines), and the meta count is the CPU's (within 8
+bytes: a 0-dim scalar or two)."""
 
 import itertools
 
@@ -11,10 +11,11 @@ from test_architectures import RUN, SIZES
 from transformers import AutoConfig
 
 from kvlab.lab.point import run_point
-from kvlab.lab.predict import predict
-from kvlab.loops import generate, peak_steps
+from kvlab.loops import decoding, generate
 from kvlab.meter import MemoryMeter
 from kvlab.models import build_model, random_prompt
+from kvlab.planner.dry_run import peak_steps
+from kvlab.planner.plan import predict
 
 # A window shorter than the run, latent attention, linear attention beside full, KV sharing: the tiny configs of
 # tests/test_architectures.py, the windows shortened to 12.
@@ -41,7 +42,7 @@ def folders(tmp_path_factory):
 
 
 def runnable(model_type, cache, strategy):
-    """tuple holds no layer of another kind; on meta, static decodes greedy only (kvlab.lab.params)."""
+    """tuple holds no layer of another kind; on meta, static decodes greedy only (kvlab.planner.params)."""
     return not (cache == "tuple" and model_type in ("qwen3_next", "gemma3n_text")) and not (
         cache == "static" and strategy == "beam"
     )
@@ -69,7 +70,7 @@ def test_the_skipped_steps_never_hold_the_peak(folders, model_type, cache, loop,
     prompt = random_prompt(256, POINT["batch"], POINT["prompt"], 0)
     options = dict(block_tokens=POINT["block_tokens"], chunk_limit=POINT["chunk_limit"])
     with MemoryMeter("cpu", model) as meter:
-        generate(model, prompt, POINT["new"], cache=cache, loop=loop, strategy=strategy, num_beams=3, meter=meter,
+        generate(model, prompt, POINT["new"], cache=cache, loop=loop, strategy=decoding(strategy, 3), meter=meter,
                  cache_options=dict(options, max_cache_len=POINT["prompt"] + POINT["new"] - 1))  # fmt: skip
     peaks = {step.step: step.peak_bytes for step in meter.report().timeline}
     kept = peak_steps(cache, POINT["new"], **options)
@@ -90,7 +91,7 @@ def test_a_dry_run_counts_what_a_cpu_run_allocates(folders, model_type, cache, l
 
 def test_meta_answers_yes_or_no_only(folders):
     """A number read off a meta tensor still fails: the dry run never guesses a length or an index."""
-    from kvlab.meter import MetaAsCpu
+    from kvlab.planner.meta import MetaAsCpu
 
     with MetaAsCpu(), pytest.raises(RuntimeError, match="meta"):
         torch.ones(3, dtype=torch.long, device="meta").sum().item()

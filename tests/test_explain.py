@@ -10,7 +10,7 @@ import torch
 from transformers import MistralConfig, MistralForCausalLM
 
 from kvlab.explain import UNREFERENCED, explain, explain_generate, explain_point
-from kvlab.loops import generate
+from kvlab.loops import Beams, generate
 from kvlab.meter import MemoryMeter
 from kvlab.models import build_model
 from kvlab.releases import ReferenceInstallError, install_reference
@@ -164,9 +164,7 @@ def test_v5_beam_on_a_sliding_layout_shares_one_mask_row_as_5x_generate_does():
     model = build_model("mistral-7b-v0.1-twin", ["sliding_window=64"], dtype="bfloat16")
     rows, prompt = 3, 100
     ids = torch.randint(0, model.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
-    ours = explain(
-        lambda: generate(model, ids, 4, cache="dynamic", loop="v5", strategy="beam", num_beams=rows), model=model
-    )
+    ours = explain(lambda: generate(model, ids, 4, cache="dynamic", loop="v5", strategy=Beams(rows)), model=model)
     theirs = explain_generate(model, ids, 4, num_beams=rows)
     mask = r"MistralModel\.forward: causal_mask"
     assert held_by(ours, mask) == held_by(theirs, mask) == {(): prompt * prompt}

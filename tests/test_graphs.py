@@ -11,10 +11,10 @@ import torch
 from kvlab.graphs import VARIANTS, build_graphs, check_runtime, decode_variant, generate_graph, time_variants
 from kvlab.graphs.conversion import conversion_cost, random_tuples, to_cache, to_tuples
 from kvlab.graphs.meter import ProfilerMeter
-from kvlab.lab.params import normalize
 from kvlab.lab.point import run_point
 from kvlab.meter import LiveStorageCounter, MemoryMeter
 from kvlab.models import assert_varied
+from kvlab.planner.params import normalize
 from kvlab.profiler import ProfiledAllocations
 
 GRAPHS = ("jit-trace", "convert", "export")

@@ -7,14 +7,14 @@ import pytest
 
 import kvlab.configs
 import kvlab.lab.point
-import kvlab.lab.predict
 import kvlab.models
+import kvlab.planner.plan
 from kvlab import theory
 from kvlab.cli import main
 from kvlab.configs import build_config
-from kvlab.lab.params import normalize
 from kvlab.lab.point import measure
-from kvlab.lab.predict import GIB, TooBig, largest_batch, parse_bytes
+from kvlab.planner.params import normalize
+from kvlab.planner.plan import GIB, TooBig, largest_batch, parse_bytes
 from kvlab.schema import DESIGNS
 
 LLAMA_PR_POINT = ["--preset", "llama2-7b", "--dtype", "bfloat16", "--batch", "8", "--prompt", "300", "--new", "500"]
@@ -144,7 +144,7 @@ def test_a_hub_id_without_network_or_local_copy(monkeypatch):
 
 # -- refusing points that cannot fit ---------------------------------------------------------------
 def test_a_point_too_big_for_free_memory_is_refused_before_any_model_is_built(monkeypatch, no_model):
-    monkeypatch.setattr(kvlab.lab.predict, "free_bytes", lambda device: 2**20)  # 1 MiB free
+    monkeypatch.setattr(kvlab.planner.plan, "free_bytes", lambda device: 2**20)  # 1 MiB free
     with pytest.raises(TooBig) as refused:
         measure(**TINY)
     message = str(refused.value)
@@ -153,7 +153,7 @@ def test_a_point_too_big_for_free_memory_is_refused_before_any_model_is_built(mo
 
 
 def test_the_command_line_refuses_with_one_line(monkeypatch, no_model, capsys):
-    monkeypatch.setattr(kvlab.lab.predict, "free_bytes", lambda device: 2**20)
+    monkeypatch.setattr(kvlab.planner.plan, "free_bytes", lambda device: 2**20)
     with pytest.raises(SystemExit) as exit_info:
         main(["measure", "--override", "num_hidden_layers=1", "--batch", "1", "--prompt", "4", "--new", "2"])
     assert exit_info.value.code == 2
@@ -162,29 +162,29 @@ def test_the_command_line_refuses_with_one_line(monkeypatch, no_model, capsys):
 
 
 def test_force_runs_it_anyway(monkeypatch):
-    monkeypatch.setattr(kvlab.lab.predict, "free_bytes", lambda device: 2**20)
+    monkeypatch.setattr(kvlab.planner.plan, "free_bytes", lambda device: 2**20)
     record, _ = measure(**TINY, force=True)
     assert record["overhead_bytes"] > 0
 
 
 def test_a_point_that_fits_runs(monkeypatch):
-    monkeypatch.setattr(kvlab.lab.predict, "free_bytes", lambda device: 2**30)
+    monkeypatch.setattr(kvlab.planner.plan, "free_bytes", lambda device: 2**30)
     record, _ = measure(**TINY)
     assert record["overhead_bytes"] > 0
 
 
 def test_with_a_model_given_only_the_overhead_has_to_fit(toy, monkeypatch):
     point = normalize(**dict(TINY, overrides=""))
-    monkeypatch.setattr(kvlab.lab.predict, "free_bytes", lambda device: 2**20)  # less than the toy's 6 MiB of weights
-    kvlab.lab.predict.check_fits(point, toy)  # but they are already resident, and the overhead fits
-    monkeypatch.setattr(kvlab.lab.predict, "free_bytes", lambda device: 1000)
+    monkeypatch.setattr(kvlab.planner.plan, "free_bytes", lambda device: 2**20)  # less than the toy's 6 MiB of weights
+    kvlab.planner.plan.check_fits(point, toy)  # but they are already resident, and the overhead fits
+    monkeypatch.setattr(kvlab.planner.plan, "free_bytes", lambda device: 1000)
     with pytest.raises(TooBig, match=r"weights already loaded \+ overhead"):
-        kvlab.lab.predict.check_fits(point, toy)
+        kvlab.planner.plan.check_fits(point, toy)
 
 
 def test_meta_is_never_refused(no_model):
     point = normalize(**dict(TINY, device="meta", overrides="vocab_size=1000000000000"))  # 4 TB of weights
-    kvlab.lab.predict.check_fits(point)
+    kvlab.planner.plan.check_fits(point)
 
 
 def test_predict_json_reports_the_points_own_values(capsys):
@@ -242,7 +242,7 @@ def test_max_batch_and_max_new_are_the_largest_that_fit(no_model):
     fits = lambda cache, loop, **change: (
         weights
         + theory.predict_overhead(  # noqa: E731
-            config, **kvlab.lab.predict.point_of(p, cache=cache, loop=loop, **change)
+            config, **kvlab.planner.plan.point_of(p, cache=cache, loop=loop, **change)
         )
         <= memory
     )
@@ -279,7 +279,7 @@ def test_a_kv_only_planner_counts_the_weights_and_the_textbook_kv():
     """Lesson 08's comparison: Llama-3-8B's KV by hand, 2 x 32 layers x 8 KV heads x 128 x 2 bytes per token."""
     from kvlab.notebook.helpers import kv_only_plan
 
-    plan = kvlab.lab.predict.predict("llama3-8b", cache="dynamic", loop="v5", batch=8, prompt=4096, new=2048,
+    plan = kvlab.planner.plan.predict("llama3-8b", cache="dynamic", loop="v5", batch=8, prompt=4096, new=2048,
                                      dtype="bfloat16", memory="40GiB")  # fmt: skip
     per_token = 2 * 32 * 8 * 128 * 2
     kv_only = kv_only_plan(plan, context=8192)

@@ -13,11 +13,11 @@ import transformers
 from kvlab import theory
 from kvlab.configs import build_config
 from kvlab.lab import reference
-from kvlab.lab.params import normalize
 from kvlab.lab.point import run_point
 from kvlab.lab.reference import measure_references, weights_digest
-from kvlab.loops import generate
+from kvlab.loops import decoding, generate
 from kvlab.models import assert_varied, build_model
+from kvlab.planner.params import normalize
 from kvlab.releases import INSTALLED, ReferenceInstallError, install_reference
 from kvlab.schema import REFERENCES
 
@@ -201,7 +201,7 @@ def test_kvlab_loop_matches_the_release(pair, point):
     prompt = torch.randint(
         0, model.config.vocab_size, (SIZE["batch"], SIZE["prompt"]), generator=torch.Generator().manual_seed(0)
     )
-    out = generate(model, prompt, SIZE["new"], strategy=point["strategy"], num_beams=BEAMS, **design)
+    out = generate(model, prompt, SIZE["new"], strategy=decoding(point["strategy"], BEAMS), **design)
     rows = out.tokens[::BEAMS] if point["strategy"] == "beam" else out.tokens  # the best beam comes first
     assert_varied(real["tokens"])
     assert rows[:, SIZE["prompt"] :].tolist() == real["tokens"]

@@ -83,7 +83,7 @@ def test_kvlabs_loop_decodes_generates_tokens_into_the_savers_cache(name):
         model,
         want["ids"],
         point["new"],
-        past=savers.generate_cache(model, point["generate"]),
+        cache=savers.generate_cache(model, point["generate"]),
         prefill_chunk=point["generate"].get("prefill_chunk_size"),
     )
     assert_varied(want["tokens"])

@@ -17,7 +17,7 @@ from kvlab.caches import cache_bytes, make_cache, sliding_windows
 from kvlab.configs import build_config
 from kvlab.lab.point import run_point
 from kvlab.lab.reference import measure_references
-from kvlab.loops import generate
+from kvlab.loops import decoding, generate
 from kvlab.models import assert_varied, build_model, kv_bytes_per_token
 from kvlab.releases import INSTALLED
 
@@ -203,7 +203,7 @@ def _against_the_real_5x(preset, overrides, prompt, points, new=40):
         assert ours["overhead_bytes"] / real["overhead_bytes"] == pytest.approx(1, abs=TOLERANCE), (preset, point)
         generated = build_model(preset, overrides, dtype=point["dtype"])
         ids = torch.randint(0, generated.config.vocab_size, (1, prompt), generator=torch.Generator().manual_seed(0))
-        tokens = generate(generated, ids, new, cache="dynamic", loop="v5", strategy=point["strategy"], num_beams=3)
+        tokens = generate(generated, ids, new, cache="dynamic", loop="v5", strategy=decoding(point["strategy"], 3))
         if point["strategy"] == "greedy":
             assert_varied(tokens.tokens[:, prompt:])
             assert tokens.tokens[:, prompt:].tolist() == real["tokens"]

@@ -12,7 +12,7 @@ from kvlab import text
 from kvlab.configs import build_config
 from kvlab.lab.point import run_point
 from kvlab.lab.reference import measure_references
-from kvlab.loops import generate
+from kvlab.loops import decoding, generate
 from kvlab.models import assert_varied, build_model
 from kvlab.schema import DESIGNS
 from kvlab.weights import gguf_path
@@ -78,7 +78,7 @@ def test_every_design_decodes_the_sentence_transformers_generate_decodes(smollm2
     assert_varied([expected])
     for cache, loop in DESIGNS:
         out = generate(
-            smollm2, prompt, text.ANSWER_TOKENS, cache=cache, loop=loop, strategy=strategy, num_beams=NUM_BEAMS
+            smollm2, prompt, text.ANSWER_TOKENS, cache=cache, loop=loop, strategy=decoding(strategy, NUM_BEAMS)
         )
         best = out.tokens[0, prompt.shape[1] :]  # greedy's one row; beam search's best beam (rows sorted by score)
         assert best.tolist() == expected, (cache, loop)

@@ -5,7 +5,7 @@ import torch
 
 from kvlab.caches import CACHES, make_cache
 from kvlab.compat import cache_argument
-from kvlab.loops import LOOPS, Sampling, generate
+from kvlab.loops import LOOPS, Beams, Sampling, generate
 from kvlab.models import assert_varied, build_model
 
 
@@ -74,7 +74,7 @@ def test_prealloc_grows_in_blocks(toy, prompt):
 def test_best_beam_matches_generate(toy, prompt, cache):
     expected = reference(toy, prompt, 10, num_beams=4, num_return_sequences=1)
     for loop in LOOPS:
-        out = generate(toy, prompt, 10, cache=cache, loop=loop, strategy="beam", num_beams=4)
+        out = generate(toy, prompt, 10, cache=cache, loop=loop, strategy=Beams(4))
         assert torch.equal(out.tokens[::4], expected), loop
 
 
@@ -82,7 +82,7 @@ def test_best_beam_matches_generate(toy, prompt, cache):
 def test_restart_from_a_held_cache_continues_the_same_sequence(toy, prompt, cache):
     whole = generate(toy, prompt, 20, cache=cache, cache_options={"max_cache_len": 32})
     first = generate(toy, prompt, 12, cache=cache, cache_options={"max_cache_len": 32})
-    second = generate(toy, first.tokens, 8, cache=cache, past=first.cache)
+    second = generate(toy, first.tokens, 8, cache=first.cache)
     assert_varied(whole.tokens[:, prompt.shape[1] :])
     assert torch.equal(second.tokens, whole.tokens)
 
@@ -94,16 +94,13 @@ def test_seeded_sampling_is_reproducible_and_cache_independent(toy, prompt):
             prompt,
             16,
             cache=cache,
-            strategy="sample",
-            sampling=Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7),
+            strategy=Sampling(temperature=0.8, top_k=20, top_p=0.9, seed=7),
         ).tokens
         for cache in ("tuple", "dynamic", "prealloc")
     ]
     assert_varied(runs[0][:, prompt.shape[1] :])
     assert all(torch.equal(run, runs[0]) for run in runs)
-    other_seed = generate(
-        toy, prompt, 16, strategy="sample", sampling=Sampling(temperature=0.8, top_k=20, seed=8)
-    ).tokens
+    other_seed = generate(toy, prompt, 16, strategy=Sampling(temperature=0.8, top_k=20, seed=8)).tokens
     assert not torch.equal(other_seed, runs[0])
 
 
@@ -151,5 +148,5 @@ def test_sliding_prealloc_best_beam_matches_generate(sliding_toy, sliding_toy_bf
     model = sliding_toy if dtype == "float32" else sliding_toy_bf16
     prompt = sliding_prompt(model)
     expected = reference(model, prompt, 40, num_beams=4, num_return_sequences=1)
-    out = generate(model, prompt, 40, cache="prealloc", strategy="beam", num_beams=4, cache_options={"block_tokens": 4})
+    out = generate(model, prompt, 40, cache="prealloc", strategy=Beams(4), cache_options={"block_tokens": 4})
     assert torch.equal(out.tokens[::4], expected)

@@ -17,8 +17,8 @@ from pathlib import Path
 import torch
 
 from ..configs import parse_value
+from ..planner.params import normalize
 from ..schema import DEFAULTS, is_true
-from .params import normalize
 from .shipped import read_yaml, shipped_or_path
 
 SWEEPS_DIR = Path(__file__).resolve().parent / "sweeps"

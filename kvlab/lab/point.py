@@ -6,6 +6,7 @@ subprocess (`kvlab.lab.reference`) and returns the same record, so the two sit i
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import torch
@@ -13,12 +14,14 @@ import torch
 from .. import theory
 from ..caches import KVCache, num_layers
 from ..configs import load_config
-from ..loops import Sampling, generate, peak_steps
+from ..loops import Sampling, decoding, generate
 from ..meter import MemoryMeter
 from ..models import build_model, final_kv_bytes, random_prompt
+from ..planner.dry_run import SkippingForward, peak_steps
+from ..planner.meta import MetaAsCpu
+from ..planner.params import normalize
+from ..planner.plan import check_fits
 from ..schema import RECORD_FIELDS, RECORD_PARAMETERS, REFERENCES, beams, over_kv
-from .params import normalize
-from .predict import check_fits
 from .provenance import provenance
 from .reference import REFERENCE_KEYS, measure_references
 
@@ -57,9 +60,9 @@ def measure(model=None, **params):
     options = dict(
         cache=p["cache"],
         loop=p["loop"],
-        strategy=p["strategy"],
-        num_beams=p["num_beams"],
-        sampling=Sampling(temperature=0.7, top_k=50, top_p=0.9, seed=p["seed"]),
+        strategy=decoding(
+            p["strategy"], p["num_beams"], Sampling(temperature=0.7, top_k=50, top_p=0.9, seed=p["seed"])
+        ),
         cache_options=dict(
             chunk_limit=p["chunk_limit"],
             block_tokens=p["block_tokens"],
@@ -132,30 +135,33 @@ def _record(p: dict, config, measured: dict, seconds: float | None, origin: dict
 
 
 def _steps(p, prompt, new: int):
-    """On meta, where only shapes are computed, the steps that can hold the peak (kvlab.loops.peak_steps): the same
-    count as decoding every step, in a few forwards. Elsewhere every step."""
+    """On meta, where only shapes are computed, the forward only at the steps that can hold the peak
+    (kvlab.planner.dry_run): the same count as decoding every step, in a few forwards. Elsewhere every step."""
     if prompt.device.type != "meta":
         return None
-    return peak_steps(p["cache"], new, p["block_tokens"], p["chunk_limit"])
+    return SkippingForward(peak_steps(p["cache"], new, p["block_tokens"], p["chunk_limit"]))
 
 
 def _decode(model, prompt, p, options, meter, graphs=None) -> float:
-    """One run of the point (a restart included); returns the seconds spent decoding."""
+    """One run of the point (a restart included); returns the seconds spent decoding. On meta, as on a CPU
+    (kvlab.planner.meta.MetaAsCpu)."""
     if p["runtime"] != "eager":
         from ..graphs import generate_graph
 
         return generate_graph(model, prompt, p["new"], p["runtime"], graphs, meter=meter).seconds
-    first = generate(model, prompt, p["new"], meter=meter, steps=_steps(p, prompt, p["new"]), **options)
-    seconds = first.seconds
-    if p["restart_new"]:
-        # The caller still holds `first` (and so its cache) while the second call runs.
-        past = first.cache
-        if p["restart_from"] == "tuples":  # 4.42: to_legacy_cache, then from_legacy_cache (neither copies)
-            first.cache = past.to_tuples()
-            past = KVCache.from_tuples(first.cache, num_layers(model))
-        steps = _steps(p, prompt, p["restart_new"])
-        second = generate(model, first.tokens, p["restart_new"], past=past, meter=meter, steps=steps, **options)
-        seconds += second.seconds
-        del second, past
-    del first
+    with MetaAsCpu() if prompt.device.type == "meta" else contextlib.nullcontext():
+        first = generate(model, prompt, p["new"], meter=meter, step_forward=_steps(p, prompt, p["new"]), **options)
+        seconds = first.seconds
+        if p["restart_new"]:
+            # The caller still holds `first` (and so its cache) while the second call runs.
+            past = first.cache
+            if p["restart_from"] == "tuples":  # 4.42: to_legacy_cache, then from_legacy_cache (neither copies)
+                first.cache = past.to_tuples()
+                past = KVCache.from_tuples(first.cache, num_layers(model))
+            step_forward = _steps(p, prompt, p["restart_new"])
+            options = dict(options, cache=past)
+            second = generate(model, first.tokens, p["restart_new"], meter=meter, step_forward=step_forward, **options)
+            seconds += second.seconds
+            del second, past, options
+        del first
     return seconds

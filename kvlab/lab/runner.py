@@ -15,10 +15,10 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..planner.plan import TooBig, check_fits
 from .grid import point_id, point_label
 from .kernel import QUIET_KERNEL
 from .kernel import kernel_name as notebook_kernel  # `kvlab` where make registered it, else python3
-from .predict import TooBig, check_fits
 from .store import refuse_link
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]

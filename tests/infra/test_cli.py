@@ -142,7 +142,7 @@ def test_predict_explains_the_peak(capsys):
 def test_help_states_the_defaults_a_point_gets(capsys):
     """`measure --help` says what an unset flag becomes, and normalize gives the point exactly that."""
     from kvlab.cli import main
-    from kvlab.lab.params import normalize
+    from kvlab.planner.params import normalize
 
     with pytest.raises(SystemExit):
         main(["measure", "--help"])
@@ -188,7 +188,7 @@ def test_measure_prints_a_short_table_in_mib(capsys):
 
 
 def test_every_verb_takes_the_presets_it_runs_and_names_the_lesson_for_the_others():
-    from kvlab.lab.params import normalize
+    from kvlab.planner.params import normalize
     from kvlab.presets import DECODERS, ENCODER_DECODERS
 
     for preset in DECODERS:  # measure, predict, compare and sweep normalize their points

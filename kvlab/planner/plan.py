@@ -14,12 +14,13 @@ import re
 import torch
 
 from .. import theory
-from ..caches import check_layers, held_tokens
+from ..caches import check_layers
 from ..configs import is_hub_id, load_config
-from ..loops import generate, peak_steps
-from ..meter import MemoryMeter, MetaAsCpu, cpu_kernels, uncounted_workspace, weight_bytes
-from ..models import build_model, final_kv_bytes, instantiate, parse_dtype
-from ..schema import DESIGNS, beams, over_kv
+from ..meter import weight_bytes
+from ..models import instantiate, parse_dtype
+from ..schema import DESIGNS, beams
+from .dry_run import ROUTING_BOUND, DryRun
+from .meta import cpu_kernels, uncounted_workspace
 from .params import normalize
 
 GIB = 2**30
@@ -220,13 +221,6 @@ def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: boo
     )
 
 
-# What a dry run whose experts' routing depends on the data answers (kvlab.meter.MetaAsCpu).
-ROUTING_BOUND = (
-    "an upper bound: the experts' routing depends on the weights and the prompt, so the dry run gives every expert "
-    "every token in every top-k slot; measure the exact peak of a prompt with kvlab measure (--seed draws it)"
-)
-
-
 class Theory:
     """kvlab.theory's walk, term by term, for the model types it models."""
 
@@ -238,60 +232,6 @@ class Theory:
 
     def breakdown(self, design: dict) -> dict:
         return theory.breakdown(self.config, **design)
-
-
-class DryRun:
-    """Every other decoder kvlab runs: its own loop on the meta device, where tensors have shapes and no data, with
-    SDPA and the masks as a CPU makes them (kvlab.meter.MetaAsCpu), the forward run only at the steps that can hold
-    the peak (kvlab.loops.peak_steps): the count a CPU run gives, in a few forwards (tests/test_dry_run.py)."""
-
-    def __init__(self, p: dict):
-        if p["restart_new"]:
-            raise ValueError(
-                "predict's dry run decodes one call; measure a restart on the meta device (measure --device meta)"
-            )
-        self.p = p
-        self.model = build_model(p["preset"], p["overrides"], "meta", p["dtype"], p["seed"])
-
-    def overhead(self, design: dict) -> int:
-        return self.run(design)[0].overhead_bytes
-
-    def breakdown(self, design: dict) -> dict:
-        bounded = MetaAsCpu.bounded
-        report, cache = self.run(design)
-        routed = MetaAsCpu.bounded > bounded  # the routing was answered by its bound (kvlab.meter.MetaAsCpu)
-        config, d = self.model.config, design
-        kv_final = final_kv_bytes(config, d["batch"] * beams(dict(self.p, **d)), d["prompt"] + d["new"], d["dtype"])
-        peak_step = max(report.timeline, key=lambda s: s.peak_bytes).step
-        return {
-            "predicted_overhead_bytes": report.overhead_bytes,
-            "kv_final_bytes": kv_final,
-            "cache_tokens_per_layer": theory.tokens_per_layer(held_tokens(cache)),
-            "overhead_over_kv": over_kv(report.overhead_bytes, kv_final),
-            "peak_at": f"step {peak_step} (dry run on meta{', routing bounded' if routed else ''})",
-            **({"bound": ROUTING_BOUND} if routed else {}),
-            "terms_bytes": {f"{part} at the peak": n for part, n in report.at_peak.items() if n and part != "weights"},
-        }
-
-    def run(self, design: dict):
-        """The meta run of one design: (the meter's report, the cache it ends with)."""
-        d = design
-        prompt = torch.empty((d["batch"], d["prompt"]), dtype=torch.long, device="meta")
-        options = dict(block_tokens=d["block_tokens"], chunk_limit=d["chunk_limit"])
-        with MemoryMeter("meta", self.model) as meter:
-            out = generate(
-                self.model,
-                prompt,
-                d["new"],
-                cache=d["cache"],
-                loop=d["loop"],
-                strategy=d["strategy"],
-                num_beams=d["num_beams"],
-                meter=meter,
-                steps=peak_steps(d["cache"], d["new"], **options),
-                cache_options=dict(options, max_cache_len=d["prompt"] + d["new"] - 1),
-            )
-        return meter.report(), out.cache
 
 
 def format_prediction(result: dict) -> str:

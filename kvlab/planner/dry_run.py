@@ -1,0 +1,164 @@
+"""The dry run: kvlab's loop on the meta device, where tensors have shapes and no data, with SDPA and the masks as a
+CPU makes them (kvlab.planner.meta.MetaAsCpu), under the meter's live-storage count. At the steps that cannot hold
+the peak (`peak_steps`) the forward is skipped: the cache grows by the step's token without it (`SkippingForward`,
+generate()'s per-step hook). The count a CPU run gives, in a few forwards (tests/test_dry_run.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithPast
+
+from .. import theory
+from ..caches import KVCache, ListLayer, PreallocLayer, TupleCache, forward
+from ..loops import decoding, generate
+from ..meter import MemoryMeter
+from ..models import build_model, final_kv_bytes
+from ..schema import beams, over_kv
+from .meta import MetaAsCpu
+
+# What a dry run whose experts' routing depends on the data answers (kvlab.planner.meta.MetaAsCpu).
+ROUTING_BOUND = (
+    "an upper bound: the experts' routing depends on the weights and the prompt, so the dry run gives every expert "
+    "every token in every top-k slot; measure the exact peak of a prompt with kvlab measure (--seed draws it)"
+)
+
+
+def dry_run(model, batch: int, prompt: int, new: int, skip: bool = True, **options):
+    """kvlab's loop (`generate(**options)`) on the meta device for a model built there: (the meter's report, the
+    cache it ends with). `skip`: the forward only at the steps that can hold the peak of a cache design of
+    kvlab's (`peak_steps`); False, or a cache object of transformers' own to decode into: every step."""
+    ids = torch.empty((batch, prompt), dtype=torch.long, device="meta")
+    cache, cache_options = options.get("cache", "dynamic"), options.get("cache_options") or {}
+    if skip and isinstance(cache, str):
+        steps = peak_steps(cache, new, cache_options.get("block_tokens", 32), cache_options.get("chunk_limit", 50))
+        options = dict(options, step_forward=SkippingForward(steps))
+    with MetaAsCpu(), MemoryMeter("meta", model) as meter:
+        out = generate(model, ids, new, meter=meter, **options)
+    return meter.report(), out.cache
+
+
+def peak_steps(cache: str, new_tokens: int, block_tokens: int = 32, chunk_limit: int = 50) -> frozenset[int]:
+    """The steps whose forward can hold a run's peak: the prompt's (0), the first decode step (where what the
+    prompt's step left still lives) and the last; for `prealloc` the last `block_tokens` steps, for `list` the last
+    `chunk_limit` ones. Why (tested against full runs' timelines in tests/test_dry_run.py): from
+    step 2 on each step holds what the one before held with a token more in every growing tensor, so a later
+    step holds at least as much; except where a design reallocates only every few steps (prealloc's buffers and
+    window moves every `block_tokens`, list's consolidation every `chunk_limit - 1`), and the last such step
+    holds at least as much as any earlier one."""
+    period = {"prealloc": block_tokens, "list": chunk_limit}.get(cache, 1)
+    last = new_tokens - 1
+    return frozenset(step for step in (0, 1, *range(last - period + 1, last + 1)) if 0 <= step <= last)
+
+
+class SkippingForward:
+    """generate()'s `step_forward` for a dry run: the model's forward at `steps`; at every other step the cache grows
+    by the fed tokens without it, and the outputs are the logits the forward would have returned (their shape and
+    dtype: they stay alive into the next step, as the forward's would). `tuple` makes its round trip as its
+    forward does: a new tuple cat-ed while the old one is still held."""
+
+    def __init__(self, steps):
+        self.steps = steps
+
+    def __call__(self, step, model, cache, **inputs):
+        if step in self.steps:
+            return forward(model, cache, **inputs)
+        fed = inputs["input_ids"].shape
+        # 5.x computes the last position's logits in the model's dtype; 4.x every fed position's, upcast to fp32.
+        kept = inputs.get("logits_to_keep")
+        shape = (fed[0], kept or fed[1], model.config.get_text_config(decoder=True).vocab_size)
+        logits = torch.empty(shape, dtype=model.dtype if kept else torch.float32, device="meta")
+        grown = KVCache.from_tuples(cache.to_tuples(), len(cache.layers)) if isinstance(cache, TupleCache) else cache
+        advance(grown, fed[1])
+        returned = TupleCache.from_tuples(grown.to_tuples(), len(cache.layers)) if grown is not cache else cache
+        return CausalLMOutputWithPast(logits=logits, past_key_values=grown), returned
+
+
+def advance(cache, tokens: int) -> None:
+    """Grow every attention layer of `cache` by `tokens` tokens, one at a time as decoding steps add them, without
+    a forward: on meta, where no value is read, this is what a step the dry run skips leaves behind.
+    Recurrent state does not grow; a layer that caches nothing is left alone."""
+    for layer in cache.layers:
+        if (held := _last_written(layer)) is None:
+            continue
+        # Shapes, not the tensors: holding the layer's old keys and values would keep them alive while it grows.
+        token = [((*t.shape[:-2], 1, t.shape[-1]), t.dtype, t.device) for t in held]
+        del held
+        for _ in range(tokens):
+            layer.update(*(torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in token))
+
+
+def _last_written(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A tensor of the layer's keys and one of its values (their shapes but the length are the next token's), read
+    without a copy (ListLayer.keys would join its chunks); None for a layer without keys and values."""
+    if isinstance(layer, ListLayer):
+        return (layer.key_chunks[-1], layer.value_chunks[-1]) if layer.key_chunks else None
+    if isinstance(layer, PreallocLayer):
+        return (layer.key_buffer, layer.value_buffer) if layer.key_buffer is not None else None
+    keys = getattr(layer, "keys", None)
+    return (keys, layer.values) if getattr(layer, "is_initialized", False) and keys is not None else None
+
+
+def held_tokens(cache) -> list[int]:
+    """Tokens each layer's storage has room for (a sliding layer's view of a longer buffer counts the buffer, a list
+    layer its chunks); 0 for a layer without keys and values."""
+    held = []
+    for layer in cache.layers:
+        keys = layer.key_chunks if isinstance(layer, ListLayer) else [(_last_written(layer) or (None,))[0]]
+        held.append(sum(_storage_tokens(t) for t in keys if t is not None))
+    return held
+
+
+def _storage_tokens(tensor: torch.Tensor) -> int:
+    per_token = tensor.numel() // tensor.shape[-2] * tensor.element_size() if tensor.shape[-2] else 0
+    return tensor.untyped_storage().nbytes() // per_token if per_token else 0
+
+
+class DryRun:
+    """predict's walk for every decoder kvlab.theory does not model: a dry run per design."""
+
+    def __init__(self, p: dict):
+        if p["restart_new"]:
+            raise ValueError(
+                "predict's dry run decodes one call; measure a restart on the meta device (measure --device meta)"
+            )
+        self.p = p
+        self.model = build_model(p["preset"], p["overrides"], "meta", p["dtype"], p["seed"])
+
+    def overhead(self, design: dict) -> int:
+        return self.run(design)[0].overhead_bytes
+
+    def breakdown(self, design: dict) -> dict:
+        bounded = MetaAsCpu.bounded
+        report, cache = self.run(design)
+        routed = MetaAsCpu.bounded > bounded  # the routing was answered by its bound
+        config, d = self.model.config, design
+        kv_final = final_kv_bytes(config, d["batch"] * beams(dict(self.p, **d)), d["prompt"] + d["new"], d["dtype"])
+        peak_step = max(report.timeline, key=lambda s: s.peak_bytes).step
+        return {
+            "predicted_overhead_bytes": report.overhead_bytes,
+            "kv_final_bytes": kv_final,
+            "cache_tokens_per_layer": theory.tokens_per_layer(held_tokens(cache)),
+            "overhead_over_kv": over_kv(report.overhead_bytes, kv_final),
+            "peak_at": f"step {peak_step} (dry run on meta{', routing bounded' if routed else ''})",
+            **({"bound": ROUTING_BOUND} if routed else {}),
+            "terms_bytes": {f"{part} at the peak": n for part, n in report.at_peak.items() if n and part != "weights"},
+        }
+
+    def run(self, design: dict):
+        """The meta run of one design: (the meter's report, the cache it ends with)."""
+        d = design
+        options = dict(
+            block_tokens=d["block_tokens"], chunk_limit=d["chunk_limit"], max_cache_len=d["prompt"] + d["new"] - 1
+        )
+        strategy = decoding(d["strategy"], d["num_beams"])
+        return dry_run(
+            self.model,
+            d["batch"],
+            d["prompt"],
+            d["new"],
+            cache=d["cache"],
+            loop=d["loop"],
+            strategy=strategy,
+            cache_options=options,
+        )
