@@ -33,6 +33,7 @@ from transformers.cache_utils import (
 from .compat import cache_argument
 from .meter import storage_bytes
 from .models import layer_kinds
+from .schema import DEFAULTS
 
 CACHES = ("tuple", "dynamic", "list", "static", "prealloc")
 
@@ -108,7 +109,7 @@ class ListLayer(_OwnLayer):
 
     keys, values = _Joined("key_chunks"), _Joined("value_chunks")
 
-    def __init__(self, chunk_limit: int = 50):
+    def __init__(self, chunk_limit: int = DEFAULTS["chunk_limit"]):
         super().__init__()  # keys = values = None: no chunks
         self.chunk_limit = chunk_limit
 
@@ -144,7 +145,7 @@ class ListLayer(_OwnLayer):
 class PreallocLayer(_OwnLayer):
     """`prealloc`: a buffer that grows in blocks; each step writes the new tokens in place and returns views."""
 
-    def __init__(self, block_tokens: int = 32):
+    def __init__(self, block_tokens: int = DEFAULTS["block_tokens"]):
         super().__init__()
         self.block_tokens = block_tokens
         self.key_buffer = self.value_buffer = None
@@ -208,7 +209,7 @@ class WindowLayer(PreallocLayer):
 
     is_sliding = True
 
-    def __init__(self, sliding_window: int, block_tokens: int = 32):
+    def __init__(self, sliding_window: int, block_tokens: int = DEFAULTS["block_tokens"]):
         super().__init__(block_tokens)
         self.sliding_window = sliding_window
         self.start = self.end = 0  # buffer[start:end]: the kept tokens, oldest first
@@ -322,6 +323,13 @@ def sliding_windows(config) -> list[int | None]:
     return [kw.get("sliding_window") if kind in WINDOWED else None for kind, kw in layer_kinds(config)]
 
 
+def window_tokens(window: int | None, tokens: int, fed: int = 0) -> int:
+    """Tokens a 5.x layer of `window` (None: a full layer) holds after `tokens` were fed, `fed` of them by the last
+    update: a full layer all of them; a sliding layer its last update's cat output, at most window - 1 tokens from
+    before and the `fed` ones (it keeps a view of the last window - 1, what a later query can see)."""
+    return tokens if window is None else min(tokens - fed, window - 1) + fed
+
+
 # The layers kvlab's designs hold: attention that caches keys and values per token. Every other layer keeps the
 # cache 5.x's DynamicCache(config=...) gives it (chunked attention counts as sliding, as there): conv and
 # recurrent state (linear attention, Mamba, both beside attention in a hybrid layer), nothing (MoE/MLP-only and
@@ -361,8 +369,8 @@ def make_cache(
     model,
     *,
     max_cache_len: int | None = None,
-    chunk_limit: int = 50,
-    block_tokens: int = 32,
+    chunk_limit: int = DEFAULTS["chunk_limit"],
+    block_tokens: int = DEFAULTS["block_tokens"],
     windowed: bool = True,
 ):
     """An empty cache of design `name` for `model`: the design on the attention layers, 5.x's own cache on the

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, DynamicCache, QuantizedCache
 
-from .caches import every_tensor, sliding_windows
+from .caches import every_tensor, sliding_windows, window_tokens
 from .compat import cache_from_outputs
 from .explain import explain, generate_call
 from .meter import MemoryMeter, storage_bytes, weight_bytes
@@ -228,7 +228,7 @@ def kv_bytes(config, saver_generate: dict, batch: int, tokens: int, dtype: str, 
         fed = tokens if updates == 1 else 1  # what the last update fed
         layers = zip(per_token, sliding_windows(config))
         # a sliding layer also keeps its window as a 0-d int64 tensor
-        return sum(n * _window_tokens(window, tokens, fed) + 8 * (window is not None) for n, window in layers)
+        return sum(n * window_tokens(window, tokens, fed) + 8 * (window is not None) for n, window in layers)
     text = config.get_text_config(decoder=True)
     one = batch * kv_heads(text) * head_dim(text)  # elements of one token of one layer's keys (or values)
     if backend == "fp8":  # 1 byte an element; a float32 scale per tensor
@@ -236,12 +236,6 @@ def kv_bytes(config, saver_generate: dict, batch: int, tokens: int, dtype: str, 
     quantized, residual = _kivi_split(tokens, updates, options.get("residual_length", 128))
     packed = _packed_bytes(backend, one * quantized, options.get("nbits", 4), options.get("q_group_size", 64), dtype)
     return text.num_hidden_layers * 2 * (packed + one * residual * element_size(dtype))
-
-
-def _window_tokens(window: int | None, tokens: int, fed: int) -> int:
-    """Tokens a layer's storage holds: all of them, or a sliding layer's last update's cat output, of which it keeps
-    a view: at most window - 1 tokens from before and the `fed` ones."""
-    return tokens if window is None else min(tokens - fed, window - 1) + fed
 
 
 def _kivi_split(tokens: int, updates: int, residual_length: int) -> tuple[int, int]:
@@ -286,7 +280,7 @@ def cache_storage_bytes(cache) -> int:
     return storage_bytes(list(every_tensor(cache.layers)))
 
 
-def measure(model, ids, new: int, options: dict) -> dict:
+def measure_generate(model, ids, new: int, options: dict) -> dict:
     """transformers' own generate() with `options`: its peak (weights included; the CPU allocator's), the peak of
     the tensors the live-storage counter saw beside it (what the dry run predicts: the backends' kernels allocate
     scratch of their own), the KV its cache ends with, and the new tokens."""
@@ -366,7 +360,7 @@ def offloaded_kv_bytes(config, batch: int, tokens: int, dtype: str) -> int:
     windows = sliding_windows(config)
     full = [i for i, window in enumerate(windows) if window is None]
     kept = [i for i, window in enumerate(windows) if window is not None] + full[:1]
-    return sum(per_layer[i] * _window_tokens(windows[i], tokens, 1) for i in kept)
+    return sum(per_layer[i] * window_tokens(windows[i], tokens, 1) for i in kept)
 
 
 # -- one saver's row --------------------------------------------------------------------------------------------
@@ -379,7 +373,7 @@ def row(name: str, point: dict | None = None) -> dict:
     model = _model(point)
     ids = random_prompt(model.config.vocab_size, batch, point["prompt"], 0)
     before = measured_baseline(point) if name not in BASELINE_NOT_RUN else dict(kv=None, peak=None)
-    after = measure(model, ids, new, options) if name not in SAVER_NOT_RUN else dict(kv=None, peak=None)
+    after = measure_generate(model, ids, new, options) if name not in SAVER_NOT_RUN else dict(kv=None, peak=None)
     forward, op, named = transient(model, ids, new, options) if name not in SAVER_NOT_RUN else (None, "", "")
     guess = predicted(name, point)
     full = predicted(name, dict(point, preset=FULL_SIZE[point["preset"]])) if point["preset"] in FULL_SIZE else {}
@@ -431,7 +425,7 @@ def measured_baseline(point: dict) -> dict:
     if key not in _BASELINES:
         model = _model(point, baseline=True)
         ids = random_prompt(model.config.vocab_size, point["batch"], point["prompt"], 0)
-        _BASELINES[key] = measure(model, ids, point["new"], {})
+        _BASELINES[key] = measure_generate(model, ids, point["new"], {})
     return _BASELINES[key]
 
 

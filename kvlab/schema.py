@@ -52,6 +52,23 @@ DEFAULTS = dict(
     timing=True,
     force=False,
 )
+# A design point's keys: what kvlab.theory and the planner predict from (the model aside).
+POINT_KEYS = (
+    "cache",
+    "loop",
+    "strategy",
+    "batch",
+    "prompt",
+    "new",
+    "restart_new",
+    "restart_from",
+    "num_beams",
+    "dtype",
+    "chunk_limit",
+    "block_tokens",
+    "runtime",
+    "device",
+)
 # A record: the point's parameters (those below), then these fields, in results.csv's column order.
 RECORD_PARAMETERS = (
     "preset",

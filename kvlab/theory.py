@@ -20,28 +20,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .caches import sliding_windows
+from .caches import sliding_windows, window_tokens
 from .compat import generate_drops_ones_mask
 from .loops import LOOPS, Release
 from .meter import flash_scratch_bytes
 from .models import element_size, final_kv_bytes, head_dim, kv_bytes_per_token
+from .schema import DEFAULTS, POINT_KEYS
 
-POINT_KEYS = (
-    "cache",
-    "loop",
-    "strategy",
-    "batch",
-    "prompt",
-    "new",
-    "restart_new",
-    "restart_from",
-    "num_beams",
-    "dtype",
-    "chunk_limit",
-    "block_tokens",
-    "runtime",
-    "device",
-)
 INT64 = 8
 FP32 = 4
 # Decoders whose attention transformers runs only in eager PyTorch (GPT-OSS: its attention sinks have no SDPA path):
@@ -91,7 +76,7 @@ class Layers:
     def update(self, fed: int) -> None:
         for i, window in enumerate(self.sliding):
             self.storage[i] = self.kept[i] + fed
-            self.kept[i] = self.storage[i] if window is None else min(self.storage[i], window - 1)
+            self.kept[i] = window_tokens(window, self.storage[i])
 
     def reorder(self, t: int) -> int:
         """The peak of a beam reorder, one tensor at a time (keys then values, layer by layer), in bytes."""
@@ -243,7 +228,7 @@ class CacheWalk:
             transient = self.buffers.update(fed, before)
             last_growth = self.buffers.storage[-1] - last_slots
             held_after = 2 * s.t * sum(self.buffers.storage)
-            seen = min(before, r.window - 1) + fed if r.window else after  # a sliding layer: its kept window + fed
+            seen = window_tokens(r.window, after, fed)  # a sliding layer: its kept window + fed
         consolidated = False
         if r.cache == "list":
             self.chunks = 1 if index == 0 else self.chunks + 1
@@ -612,23 +597,7 @@ def _previous_locals(r: Run, step: Step, phase: str) -> dict:
     return terms
 
 
-def peak_phases(
-    config,
-    cache="dynamic",
-    loop="v5",
-    strategy="greedy",
-    batch=8,
-    prompt=64,
-    new=512,
-    restart_new=0,
-    restart_from="cache",
-    num_beams=4,
-    dtype="float32",
-    chunk_limit=50,
-    block_tokens=32,
-    runtime="eager",
-    device="cpu",
-):
+def peak_phases(config, **point):
     """Every phase's bytes above the weights; returns (peak, the phase that makes it, its terms, final KV, tokens
     each layer's storage holds at the end).
 
@@ -638,8 +607,13 @@ def peak_phases(
     `restart_from="tuples"`: the second call's cache object starts from the first call's tensors, which the
     caller's tuples keep alive for the whole call.
     `device`: where the point runs; on CPU the attention phase holds what SDPA's flash kernel allocates inside.
+    `point`: the keys of kvlab.schema.POINT_KEYS, each defaulting to kvlab.schema.DEFAULTS' (device: cpu).
     """
-    s = Shape(config, batch, dtype, strategy, num_beams)
+    p = design_point(point)
+    cache, loop, strategy, runtime, prompt, new, dtype = (
+        p[key] for key in ("cache", "loop", "strategy", "runtime", "prompt", "new", "dtype")
+    )
+    s = Shape(config, p["batch"], dtype, strategy, p["num_beams"])
     if runtime == "export":
         peak, where, terms, held = _exported_peak(s, prompt, new)
         return peak, where, terms, final_kv_bytes(config, s.rows, prompt + new, dtype), held
@@ -650,13 +624,13 @@ def peak_phases(
         cache=cache,
         strategy=strategy,
         runtime=runtime,
-        restart_from=restart_from,
+        restart_from=p["restart_from"],
         prompt=prompt,
         new=new,
-        restart_new=restart_new,
-        chunk_limit=chunk_limit,
-        block_tokens=block_tokens,
-        device=str(device).split(":")[0],  # cuda:1 -> cuda
+        restart_new=p["restart_new"],
+        chunk_limit=p["chunk_limit"],
+        block_tokens=p["block_tokens"],
+        device=str(p["device"]).split(":")[0],  # cuda:1 -> cuda
     )
     walk, best = CacheWalk(r), (-1, None, None)
     for step in walk.steps():
@@ -699,6 +673,14 @@ def _exported_peak(s: Shape, prompt: int, new: int):
             if total > best[0]:
                 best = (total, f"step {index} ({name})", terms)
     return best[0], best[1], best[2], [last] * s.layers
+
+
+def design_point(point: dict) -> dict:
+    """Every key of a design point (kvlab.schema.POINT_KEYS): the given ones, the others DEFAULTS'; the device, where
+    not given, a CPU (the theory predicts for a named device, not for "auto"). An unknown key is refused."""
+    if unknown := set(point) - set(POINT_KEYS):
+        raise TypeError(f"unknown point keys {sorted(unknown)}; a point has: {', '.join(POINT_KEYS)}")
+    return {**{key: DEFAULTS[key] for key in POINT_KEYS}, "device": "cpu", **point}
 
 
 def predict_overhead(config, **point) -> int:

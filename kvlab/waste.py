@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .caches import sliding_windows
+from .caches import sliding_windows, window_tokens
 from .compat import cache_argument
 from .explain import explain, generate_call
 from .meter import MemoryMeter, weight_bytes
@@ -88,7 +88,7 @@ def held_cache_bytes(config, batch: int, prompt: int, new: int, dtype: str) -> i
     tokens = prompt + new - 1
     per_layer = kv_bytes_per_token(config, batch, dtype) // config.num_hidden_layers
     windows = sliding_windows(config)
-    return sum(per_layer * (tokens if window is None else min(tokens, window - 1)) for window in windows)
+    return sum(per_layer * window_tokens(window, tokens) for window in windows)
 
 
 def metered(run, model) -> tuple[int, list[tuple[int, int]]]:

@@ -52,7 +52,7 @@ def measured(name: str, baseline: bool = False) -> dict:
     point = small(name)
     model = savers._model(point, baseline=baseline)
     ids = random_prompt(model.config.vocab_size, point["batch"], point["prompt"], 0)
-    run = savers.measure(model, ids, point["new"], {} if baseline else point["generate"])
+    run = savers.measure_generate(model, ids, point["new"], {} if baseline else point["generate"])
     return dict(run, ids=ids, weights=weight_bytes(model))
 
 

@@ -10,7 +10,7 @@ import pandas as pd
 import pytest
 import torch
 
-from kvlab import theory
+from kvlab import schema, theory
 from kvlab.caches import CACHES, KVCache, TupleCache, cache_tensors, make_cache, sliding_windows
 from kvlab.compat import cache_argument
 from kvlab.configs import build_config
@@ -295,7 +295,7 @@ def test_theory_predicts_every_stored_kvlab_point_within_the_readmes_claim():
         for index, row in table.iterrows():
             point = {
                 key: int(row[key]) if key in counts else row[key]
-                for key in theory.POINT_KEYS
+                for key in schema.POINT_KEYS
                 if key in row and pd.notna(row[key])
             }
             overrides = row["overrides"] if pd.notna(row["overrides"]) else None  # as the record keeps them: "k=v,k=v"

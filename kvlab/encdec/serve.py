@@ -23,7 +23,7 @@ from .reusable_cache import ReusableStaticCache
 MODES = ("hf-static", "reused", "reused-max", "dynamic")
 
 
-def cache_bytes(config, batch: int, positions: int, dtype) -> int:
+def decoder_kv_bytes(config, batch: int, positions: int, dtype) -> int:
     """Keys and values of `positions` positions of `batch` rows, every decoder layer: the decoder's shape
     handed to kvlab.models.kv_bytes_per_token (encoder-decoder configs name their layers and heads otherwise)."""
     layers, heads, head_dim = decoder_shape(config)
@@ -39,7 +39,7 @@ def predicted_cache_bytes(
     cross-attention over the encoder output."""
     if mode.startswith("reused"):
         batch, encoder_length = max_batch, max_encoder_length
-    return cache_bytes(config, batch, new_tokens + encoder_length, dtype)
+    return decoder_kv_bytes(config, batch, new_tokens + encoder_length, dtype)
 
 
 def _serve_one(model, request, mode: str, new_tokens: int, reused: ReusableStaticCache | None):

@@ -21,7 +21,7 @@ from ..planner.dry_run import SkippingForward, peak_steps
 from ..planner.meta import MetaAsCpu
 from ..planner.params import normalize
 from ..planner.plan import check_fits
-from ..schema import RECORD_FIELDS, RECORD_PARAMETERS, REFERENCES, beams, over_kv
+from ..schema import POINT_KEYS, RECORD_FIELDS, RECORD_PARAMETERS, REFERENCES, beams, over_kv
 from .provenance import provenance
 from .reference import REFERENCE_KEYS, measure_references
 
@@ -110,7 +110,7 @@ def _record(p: dict, config, measured: dict, seconds: float | None, origin: dict
     kv_final = final_kv_bytes(config, p["batch"] * beams(p), p["prompt"] + p["new"] + p["restart_new"], p["dtype"])
     # No prediction rather than a wrong one for a model type the theory does not walk through.
     modeled = config.model_type in theory.MODELED
-    predicted = theory.predict_overhead(config, **{k: p[k] for k in theory.POINT_KEYS}) if modeled else None
+    predicted = theory.predict_overhead(config, **{k: p[k] for k in POINT_KEYS}) if modeled else None
     overhead = measured["overhead_bytes"]
     # The theory predicts tensors (and SDPA's scratch): on CPU the live-storage count's peak, not what other
     # kernels allocate inside themselves, which depends on the CPU's kernel library (kernels_at_peak_bytes).

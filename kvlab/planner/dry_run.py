@@ -14,8 +14,11 @@ from ..caches import KVCache, ListLayer, PreallocLayer, TupleCache, forward
 from ..loops import decoding, generate
 from ..meter import MemoryMeter
 from ..models import build_model, final_kv_bytes
-from ..schema import beams, over_kv
+from ..schema import DEFAULTS, beams, over_kv
 from .meta import MetaAsCpu
+
+# The output field that carries the cache back: renamed `cache` in 5.24 (kvlab.compat reads either).
+CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 # What a dry run whose experts' routing depends on the data answers (kvlab.planner.meta.MetaAsCpu).
 ROUTING_BOUND = (
@@ -31,14 +34,24 @@ def dry_run(model, batch: int, prompt: int, new: int, skip: bool = True, **optio
     ids = torch.empty((batch, prompt), dtype=torch.long, device="meta")
     cache, cache_options = options.get("cache", "dynamic"), options.get("cache_options") or {}
     if skip and isinstance(cache, str):
-        steps = peak_steps(cache, new, cache_options.get("block_tokens", 32), cache_options.get("chunk_limit", 50))
+        steps = peak_steps(
+            cache,
+            new,
+            cache_options.get("block_tokens", DEFAULTS["block_tokens"]),
+            cache_options.get("chunk_limit", DEFAULTS["chunk_limit"]),
+        )
         options = dict(options, step_forward=SkippingForward(steps))
     with MetaAsCpu(), MemoryMeter("meta", model) as meter:
         out = generate(model, ids, new, meter=meter, **options)
     return meter.report(), out.cache
 
 
-def peak_steps(cache: str, new_tokens: int, block_tokens: int = 32, chunk_limit: int = 50) -> frozenset[int]:
+def peak_steps(
+    cache: str,
+    new_tokens: int,
+    block_tokens: int = DEFAULTS["block_tokens"],
+    chunk_limit: int = DEFAULTS["chunk_limit"],
+) -> frozenset[int]:
     """The steps whose forward can hold a run's peak: the prompt's (0), the first decode step (where what the
     prompt's step left still lives) and the last; for `prealloc` the last `block_tokens` steps, for `list` the last
     `chunk_limit` ones. Why (tested against full runs' timelines in tests/test_dry_run.py): from
@@ -71,7 +84,7 @@ class SkippingForward:
         grown = KVCache.from_tuples(cache.to_tuples(), len(cache.layers)) if isinstance(cache, TupleCache) else cache
         advance(grown, fed[1])
         returned = TupleCache.from_tuples(grown.to_tuples(), len(cache.layers)) if grown is not cache else cache
-        return CausalLMOutputWithPast(logits=logits, past_key_values=grown), returned
+        return CausalLMOutputWithPast(logits=logits, **{CACHE_FIELD: grown}), returned
 
 
 def advance(cache, tokens: int) -> None:

@@ -18,7 +18,7 @@ from ..caches import check_layers
 from ..configs import is_hub_id, load_config
 from ..meter import weight_bytes
 from ..models import instantiate, parse_dtype
-from ..schema import DESIGNS, beams
+from ..schema import DESIGNS, POINT_KEYS, beams
 from .dry_run import ROUTING_BOUND, DryRun
 from .meta import cpu_kernels, uncounted_workspace
 from .params import normalize
@@ -100,7 +100,7 @@ def free_bytes(device: str) -> int | None:
 
 
 def point_of(p: dict, **changes) -> dict:
-    return {**{key: p[key] for key in theory.POINT_KEYS}, **changes}
+    return {**{key: p[key] for key in POINT_KEYS}, **changes}
 
 
 def largest_new(fits, limit: int) -> int:
