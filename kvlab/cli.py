@@ -285,14 +285,14 @@ def cmd_savers(args) -> None:
 
 
 def _write_saver_answers(out: str, command: str) -> None:
-    """The running example's answer with each lossy saver (kvlab.text.saver_answers): OUT/savers_text.csv."""
+    """The running example's answer with each lossy saver (savers_table.saver_answers): OUT/savers_text.csv."""
     import datetime
 
     import pandas as pd
 
-    from .lab.savers_table import backend_versions
+    from .lab.savers_table import LOSSY, SAVER_QUESTION, SAVER_TOKENS, backend_versions, saver_answers
     from .lab.store import append_run, prepare_folder
-    from .text import LOSSY, PRESET, SAVER_QUESTION, SAVER_TOKENS, saver_answers
+    from .weights import PRESET
 
     versions = backend_versions(LOSSY)
     started = datetime.datetime.now(datetime.timezone.utc)
@@ -300,7 +300,7 @@ def _write_saver_answers(out: str, command: str) -> None:
     table = pd.DataFrame(saver_answers()).astype({"first_difference": "Int64"})  # None: the default's every token
     table.to_csv(Path(out) / "savers_text.csv", index=False)
     print(table[["saver", "same_tokens", "first_difference"]].to_string(index=False))
-    what = "kvlab.text.saver_answers: the running example's greedy answer (fp32) with each lossy saver"
+    what = "kvlab.lab.savers_table.saver_answers: the running example's greedy answer (fp32) with each lossy saver"
     append_run(out, command, started, "cpu", results_file="savers_text.csv", what=what, preset=PRESET,
                question=SAVER_QUESTION, new=SAVER_TOKENS, backends=versions)  # fmt: skip
 

@@ -29,7 +29,7 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
     import papermill
 
     from .lab.kernel import QUIET_KERNEL, kernel_name  # `kvlab` where make registered it, else python3
-    from .notebook import plots
+    from .notebook.figures.analysis import compare_figure, overhead_figure
 
     device = resolve_device(device)
     fixed, grid = load_sweep("cuda-default" if device.startswith("cuda") else "cpu-default")
@@ -47,9 +47,9 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
         raise NothingMeasured(f"every point failed ({len(results)}; each above); nothing to compare in {out}")
     table, longest = comparison_table(results), longest_ok(results)
 
-    figures = {out / "compare.png": plots.compare_figure(longest)}
+    figures = {out / "compare.png": compare_figure(longest)}
     if results["new"].nunique() > 1:
-        figures[out / "overhead_vs_new_tokens.png"] = plots.overhead_figure(results, "new")
+        figures[out / "overhead_vs_new_tokens.png"] = overhead_figure(results, "new")
     for path, figure in figures.items():
         figure.savefig(path, dpi=120, bbox_inches="tight")
     analysis = out / "03_analysis.ipynb"

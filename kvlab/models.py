@@ -11,6 +11,8 @@ name 5.x's config classes.
 from __future__ import annotations
 
 import functools
+import platform
+from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
@@ -64,6 +66,23 @@ def resolve_device(device: str | None = "auto") -> str:
     if device in (None, "", "auto"):
         return "cuda" if torch.cuda.is_available() else "cpu"
     return device
+
+
+def device_name(device: str) -> str:
+    """The processor or GPU model a torch device runs on (a record's `device_name`, a notebook's device label)."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return torch.cuda.get_device_name(torch.device(device))
+    if kind == "meta":
+        return "meta (no data)"
+    try:  # Linux names the processor model here; platform.processor() is often empty
+        return next(
+            line.split(":", 1)[1].strip()
+            for line in Path("/proc/cpuinfo").read_text().splitlines()
+            if line.startswith("model name")
+        )
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def model_class(config) -> type:

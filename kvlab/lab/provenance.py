@@ -12,6 +12,7 @@ import torch
 import transformers
 
 from .. import __version__
+from ..models import device_name
 
 
 @functools.lru_cache(maxsize=1)
@@ -26,22 +27,6 @@ def git_commit() -> str:
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
-
-
-def device_name(device: str) -> str:
-    kind = torch.device(device).type
-    if kind == "cuda":
-        return torch.cuda.get_device_name(torch.device(device))
-    if kind == "meta":
-        return "meta (no data)"
-    try:  # Linux names the processor model here; platform.processor() is often empty
-        return next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def provenance(device: str) -> dict:
