@@ -447,5 +447,8 @@ def cache_length(cache) -> int:
 
 
 def cache_bytes(cache) -> int:
-    """Bytes the cache holds (static and prealloc count their capacity)."""
-    return storage_bytes(cache_tensors(cache))
+    """Bytes of every storage the cache holds, each once: its keys and values (static and prealloc count their
+    capacity), a 5.x layer's conv and recurrent state, a quantized layer's packed tensors, scales and residual, and
+    the layers' own counters (a 5.x sliding layer keeps its window as a 0-d int64 tensor)."""
+    held = cache_tensors(cache)
+    return storage_bytes(held if isinstance(cache, (tuple, list)) else [*held, *every_tensor(cache.layers)])

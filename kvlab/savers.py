@@ -26,10 +26,10 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, DynamicCache, QuantizedCache
 
-from .caches import every_tensor, sliding_windows, window_tokens
+from .caches import cache_bytes, sliding_windows, window_tokens
 from .compat import cache_from_outputs
 from .explain import explain, generate_call
-from .meter import MemoryMeter, storage_bytes, weight_bytes
+from .meter import MemoryMeter, weight_bytes
 from .models import build_model, element_size, head_dim, kv_heads, layer_bytes_per_token, random_prompt
 from .planner.dry_run import dry_run
 from .presets import RANDOM_INIT_STD
@@ -274,12 +274,6 @@ def per_head_kv_bytes(config, batch: int, tokens: int, dtype: str) -> int:
 # -- measuring: transformers' own generate() ------------------------------------------------------------------
 
 
-def cache_storage_bytes(cache) -> int:
-    """Bytes of every storage a transformers cache holds: `kvlab.caches.cache_bytes`' tensors and the layers' own
-    counters (a sliding layer's position tensor), which kv_bytes counts too."""
-    return storage_bytes(list(every_tensor(cache.layers)))
-
-
 def measure_generate(model, ids, new: int, options: dict) -> dict:
     """transformers' own generate() with `options`: its peak (weights included; the CPU allocator's), the peak of
     the tensors the live-storage counter saw beside it (what the dry run predicts: the backends' kernels allocate
@@ -293,7 +287,7 @@ def measure_generate(model, ids, new: int, options: dict) -> dict:
     return dict(
         peak=report.peak_bytes,
         tensors_peak=report.baseline_bytes + report.storages_peak_bytes,
-        kv=cache_storage_bytes(cache_from_outputs(out)),
+        kv=cache_bytes(cache_from_outputs(out)),
         tokens=out.sequences[:, ids.shape[1] :],
     )
 
