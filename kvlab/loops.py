@@ -208,8 +208,7 @@ def generate(
     cached = 0 if past is None else cache_length(past)
     # 5.18 and later: the position ids made once from a mask of ones, which is then dropped; grown a token a step.
     positions = _generate_positions(tokens) if release.major == 5 and generate_drops_ones_mask() else None
-    if step_forward is None:
-        step_forward = lambda step, *args, **inputs: forward(*args, **inputs)  # noqa: E731
+    step_forward = step_forward or _every_step
     start = time.perf_counter()
     # no_grad, as generate() runs, so that a dispatch mode sees SDPA's own operators (the float copy of a bool mask,
     # the CPU flash kernel's outputs: the meter adds the kernel's scratch from their shapes); under an outer
@@ -260,6 +259,11 @@ def generate(
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return Generation(tokens, kv, time.perf_counter() - start)
+
+
+def _every_step(step: int, model, cache, **inputs):
+    """generate()'s own `step_forward`: the model's forward at every step."""
+    return forward(model, cache, **inputs)
 
 
 def _generate_positions(tokens) -> torch.Tensor:

@@ -1,6 +1,5 @@
 """The experiment machinery around the lesson: one point, one store, one runner, two engines.
 
-    params      a point's parameters checked in one place (kvlab.schema holds their defaults and the record's fields)
     point       one measured point: parameters in, one flat record out
     provenance  where a record was measured: device, versions, commit, time
     grid        sweep files and --grid items → points, with stable ids; shipped: a sweep file by name or path
@@ -10,9 +9,9 @@
     engines     the sweep driver and the local engine; ray_engine: a Ray task per point
     summary     a sweep's table at its longest generation (OUT/summary.md, and what `make compare` prints)
     reference   the real releases' own generate() (kvlab.releases installs them), in a subprocess
-    predict     the predicted peak before running, and "does it fit"
     waste_table kvlab.waste's tables stored in data/today, with their provenance (`python -m kvlab waste`)
+    savers_table  kvlab.savers' tables and the running example's answers with each lossy saver (`kvlab savers`)
 
-Above it: kvlab.compare (the main job) and kvlab.cli (`python -m kvlab ...`). How sweeps run, resume and fail:
-docs/sweeps.md.
+Below it: kvlab.planner (a point's parameters checked, the predicted peak, "does it fit"). Above it: kvlab.compare
+(the main job) and kvlab.cli (`python -m kvlab ...`). How sweeps run, resume and fail: docs/sweeps.md.
 """

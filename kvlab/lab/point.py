@@ -17,7 +17,7 @@ from ..configs import load_config
 from ..loops import Sampling, decoding, generate
 from ..meter import MemoryMeter
 from ..models import build_model, final_kv_bytes, random_prompt
-from ..planner.dry_run import SkippingForward, peak_steps
+from ..planner.dry_run import skipping_forward
 from ..planner.meta import MetaAsCpu
 from ..planner.params import normalize
 from ..planner.plan import check_fits
@@ -139,7 +139,7 @@ def _steps(p, prompt, new: int):
     (kvlab.planner.dry_run): the same count as decoding every step, in a few forwards. Elsewhere every step."""
     if prompt.device.type != "meta":
         return None
-    return SkippingForward(peak_steps(p["cache"], new, p["block_tokens"], p["chunk_limit"]))
+    return skipping_forward(p["cache"], new, p)
 
 
 def _decode(model, prompt, p, options, meter, graphs=None) -> float:

@@ -32,15 +32,9 @@ def dry_run(model, batch: int, prompt: int, new: int, skip: bool = True, **optio
     cache it ends with). `skip`: the forward only at the steps that can hold the peak of a cache design of
     kvlab's (`peak_steps`); False, or a cache object of transformers' own to decode into: every step."""
     ids = torch.empty((batch, prompt), dtype=torch.long, device="meta")
-    cache, cache_options = options.get("cache", "dynamic"), options.get("cache_options") or {}
+    cache = options.get("cache", "dynamic")
     if skip and isinstance(cache, str):
-        steps = peak_steps(
-            cache,
-            new,
-            cache_options.get("block_tokens", DEFAULTS["block_tokens"]),
-            cache_options.get("chunk_limit", DEFAULTS["chunk_limit"]),
-        )
-        options = dict(options, step_forward=SkippingForward(steps))
+        options = dict(options, step_forward=skipping_forward(cache, new, options.get("cache_options") or {}))
     with MetaAsCpu(), MemoryMeter("meta", model) as meter:
         out = generate(model, ids, new, meter=meter, **options)
     return meter.report(), out.cache
@@ -62,6 +56,14 @@ def peak_steps(
     period = {"prealloc": block_tokens, "list": chunk_limit}.get(cache, 1)
     last = new_tokens - 1
     return frozenset(step for step in (0, 1, *range(last - period + 1, last + 1)) if 0 <= step <= last)
+
+
+def skipping_forward(cache: str, new: int, cache_options: dict) -> SkippingForward:
+    """The dry run's `step_forward` for a run of design `cache` (its `cache_options`) decoding `new` tokens."""
+    block_tokens = cache_options.get("block_tokens", DEFAULTS["block_tokens"])
+    return SkippingForward(
+        peak_steps(cache, new, block_tokens, cache_options.get("chunk_limit", DEFAULTS["chunk_limit"]))
+    )
 
 
 class SkippingForward:
