@@ -419,5 +419,6 @@ def test_no_prompt_length_buffer_alive_after_the_prefill_but_dynamics_view(slidi
         assert sum(live) == cache_bytes(cache)
     else:
         assert live == [per_token * 64] * (2 * layers)
-        # and each layer's window as a 0-d int64, made with the cache before the meter started
-        assert sum(live) + 8 * layers == cache_bytes(cache)
+        # and each layer's window where 5.x keeps it as a 0-d int64, made with the cache before the meter started
+        windows = [getattr(layer, "_sliding_window_tensor", None) for layer in cache.layers]
+        assert sum(live) + sum(8 for window in windows if torch.is_tensor(window)) == cache_bytes(cache)
