@@ -29,7 +29,7 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
     import papermill
 
     from .lab.kernel import QUIET_KERNEL, kernel_name  # `kvlab` where make registered it, else python3
-    from .notebook.figures.analysis import compare_figure, overhead_figure
+    from .notebook.figures.compare import compare_figure, overhead_figure
 
     device = resolve_device(device)
     fixed, grid = load_sweep("cuda-default" if device.startswith("cuda") else "cpu-default")

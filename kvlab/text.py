@@ -8,7 +8,7 @@ decodes the same tokens" can be shown as a sentence rather than a list of ids.
 
 from __future__ import annotations
 
-from .lab.reference import measure_references
+from .releases import measure_references
 from .weights import PRESET, chat_ids, decode
 
 QUESTION = "What is the capital of France?"

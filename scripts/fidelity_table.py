@@ -9,8 +9,7 @@ CPU allocator. Prints a Markdown table of overhead bytes and kvlab / real.
 import torch
 
 from kvlab.lab.point import run_point
-from kvlab.lab.reference import measure_references
-from kvlab.releases import INSTALLED, install_reference
+from kvlab.releases import INSTALLED, install_reference, measure_references
 
 SIZE = dict(batch=2, prompt=16, new=32)
 CONFIGS = {"MHA": "", "GQA": "num_key_value_heads=2"}

@@ -11,8 +11,7 @@ import sys
 import torch
 
 from kvlab.lab.point import run_point
-from kvlab.lab.reference import measure_references
-from kvlab.releases import INSTALLED
+from kvlab.releases import INSTALLED, measure_references
 
 torch.set_num_threads(1)
 preset, overrides, prompt, new = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])

@@ -11,8 +11,8 @@ from test_architectures import SIZES  # the tiny sizes of the architectures alre
 from transformers import AutoConfig
 
 from kvlab.lab.point import run_point
-from kvlab.lab.reference import measure_references
 from kvlab.planner.plan import predict
+from kvlab.releases import measure_references
 
 OWN_SIZES = dict(vocab_size=256, pad_token_id=0)  # configs whose sizes have names of their own
 LAYOUTS = {  # model_type: (its config beyond SIZES, whether SIZES applies)

@@ -12,8 +12,8 @@ from test_architectures import SIZES
 from transformers import AutoConfig
 
 from kvlab.lab.point import run_point
-from kvlab.lab.reference import measure_references
 from kvlab.planner.plan import ROUTING_BOUND, predict
+from kvlab.releases import measure_references
 
 FFN = 384  # experts wider than the rest of the model, so that the expert loop holds the peak
 DBRX = dict(d_model=64, n_heads=4, n_layers=2, max_seq_len=256, vocab_size=256, pad_token_id=0)

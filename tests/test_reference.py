@@ -14,11 +14,11 @@ from kvlab import theory
 from kvlab.configs import build_config
 from kvlab.lab import reference
 from kvlab.lab.point import run_point
-from kvlab.lab.reference import measure_references, weights_digest
+from kvlab.lab.reference import weights_digest
 from kvlab.loops import decoding, generate
 from kvlab.models import assert_varied, build_model
 from kvlab.planner.params import normalize
-from kvlab.releases import INSTALLED, ReferenceInstallError, install_reference
+from kvlab.releases import INSTALLED, ReferenceInstallError, install_reference, measure_references
 from kvlab.schema import REFERENCES
 
 # Small enough for a 2-core CPU (one subprocess per release runs all of its points), long enough that

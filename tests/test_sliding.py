@@ -16,10 +16,9 @@ from kvlab import theory
 from kvlab.caches import cache_bytes, make_cache, sliding_windows
 from kvlab.configs import build_config
 from kvlab.lab.point import run_point
-from kvlab.lab.reference import measure_references
 from kvlab.loops import decoding, generate
 from kvlab.models import assert_varied, build_model, kv_bytes_per_token
-from kvlab.releases import INSTALLED
+from kvlab.releases import INSTALLED, measure_references
 
 WINDOW = 64
 # (preset, overrides, prompt): every prompt is longer than the window; Qwen3-8B is all full attention.

@@ -11,9 +11,9 @@ import torch
 from kvlab import text
 from kvlab.configs import build_config
 from kvlab.lab.point import run_point
-from kvlab.lab.reference import measure_references
 from kvlab.loops import decoding, generate
 from kvlab.models import assert_varied, build_model
+from kvlab.releases import measure_references
 from kvlab.schema import DESIGNS
 from kvlab.weights import gguf_path
 

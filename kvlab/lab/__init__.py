@@ -8,7 +8,7 @@
     runner      one point: the point notebook under papermill in a fresh kernel → a row; failure statuses
     engines     the sweep driver and the local engine; ray_engine: a Ray task per point
     summary     a sweep's table at its longest generation (OUT/summary.md, and what `make compare` prints)
-    reference   the real releases' own generate() (kvlab.releases installs them), in a subprocess
+    reference   the worker kvlab.releases runs a real release's own generate() in; SHOWCASE, where releases differ most
     waste_table kvlab.waste's tables stored in data/today, with their provenance (`python -m kvlab waste`)
     savers_table  kvlab.savers' tables and the running example's answers with each lossy saver (`kvlab savers`)
 

@@ -14,9 +14,10 @@ import os
 import sys
 from pathlib import Path
 
+from ..results import STATUSES, load_results
 from .grid import point_id, point_label, validate
 from .runner import POINT_NOTEBOOK, kernel_environment, run_one
-from .store import STATUSES, append_row, append_run, done_point_ids, load_results, point_done, prepare_folder
+from .store import append_row, append_run, done_point_ids, point_done, prepare_folder
 from .summary import write_summary
 
 ENGINES = ("local", "ray")

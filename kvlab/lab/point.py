@@ -21,9 +21,9 @@ from ..planner.dry_run import skipping_forward
 from ..planner.meta import MetaAsCpu
 from ..planner.params import normalize
 from ..planner.plan import check_fits
+from ..releases import REFERENCE_KEYS, measure_references
 from ..schema import POINT_KEYS, RECORD_FIELDS, RECORD_PARAMETERS, REFERENCES, beams, over_kv
 from .provenance import provenance
-from .reference import REFERENCE_KEYS, measure_references
 
 
 def run_point(model=None, **params) -> dict:

@@ -1,39 +1,19 @@
 """The real thing: transformers' own `generate()`, measured with kvlab's meter, one release at a time
 (`python -m kvlab measure --kind reference --cache tuple --loop v4.40` runs 4.40.1's).
 
-An old release cannot share transformers 5's process: each is installed into its own folder (`pip --target`,
-no dependencies resolved, with the libraries it was released with). Every release, the installed 5.x too, runs
-in a fresh process (its folder first on PYTHONPATH) that imports only `kvlab.meter` (plain torch) and
+This module is the worker `kvlab.releases.measure_references` starts: a fresh process for each release (its
+folder first on PYTHONPATH, the installed 5.x too) that imports only `kvlab.meter` (plain torch) and
 `kvlab.models` (for the prompt; transformers' Auto classes at its top), builds the preset with that release's own
-classes and prints JSON records.
+classes and prints JSON records. Beside it, SHOWCASE: the points where the releases differ most.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
-import subprocess
 import sys
 
-from ..releases import INSTALLED, RELEASES, ROOT, install_reference, release_values
-from ..schema import DEFAULTS, beams, over_kv
-
-STRATEGIES = ("greedy", "beam")
-# A reference point's parameters: these of the point's (kvlab.schema.DEFAULTS), and the cache_implementation.
-REFERENCE_KEYS = (
-    "preset",
-    "overrides",
-    "batch",
-    "prompt",
-    "new",
-    "restart_new",
-    "dtype",
-    "strategy",
-    "num_beams",
-    "device",
-    "seed",
-)
+from ..releases import INSTALLED
 
 # Where the releases differ most, each run by kvlab's loop and by the release's own generate() (kind reference):
 # the 4.x forward's fp32 logits of every prompt position at the peak (the Llama-3-8B twin's 4008-token vocabulary),
@@ -74,75 +54,6 @@ def showcase_table(results):
             "logits share of the peak": ours["logits_at_peak_bytes"] / ours["overhead_bytes"],
         }
     ).round(4)
-
-
-def measure_references(version: str, points: list[dict]) -> list[dict]:
-    """Run release `version`'s own `generate()` at each point (a dict of REFERENCE_KEYS and cache_implementation,
-    the rest kvlab.schema.DEFAULTS) in one subprocess; return their measured records. The release is imported
-    once, and each point still builds its own model and prompt."""
-    # Here, not above: the worker's process imports this module under old releases, which these need not load.
-    from ..configs import load_config, parse_overrides
-    from ..loops import check_choice
-    from ..models import attention_of, final_kv_bytes, parse_dtype, resolve_device
-    from ..weights import REAL_WEIGHTS, state_file
-
-    # input_ids: the prompt's rows (lists of ids) instead of the seeded random prompt, e.g. kvlab.text's chat prompt.
-    defaults = dict({key: DEFAULTS[key] for key in REFERENCE_KEYS}, cache_implementation=None, input_ids=None)
-    specs = []
-    for point in points:
-        if unknown := set(point) - set(defaults):
-            raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))}; valid: {', '.join(defaults)}")
-        p = {**defaults, **point}
-        if p["input_ids"] is not None:
-            p["batch"], p["prompt"] = len(p["input_ids"]), len(p["input_ids"][0])
-        p["device"] = resolve_device(p["device"])
-        check_choice("strategy", p["strategy"], STRATEGIES)
-        if p["cache_implementation"] is not None and version in RELEASES:
-            raise ValueError(f"cache_implementation is for the installed 5.x; {version} only has its default cache")
-        if p["restart_new"] and (version not in RELEASES or p["strategy"] != "greedy"):
-            raise ValueError(
-                f"a restart passes back the tuples a 4.x release returns, greedy; choose one of: {', '.join(RELEASES)}"
-            )
-        parse_dtype(p["dtype"])
-        config = load_config(p["preset"], p["overrides"])  # raises on a bad preset or override, before any subprocess
-        if version == INSTALLED:  # the same release: every value (layer_types, head_dim, experts, rope), as is
-            values = {
-                key: value
-                for key, value in config.to_dict().items()
-                if not key.startswith("_")
-                and key not in ("transformers_version", "architectures", "dtype", "model_type")
-            }
-            # to_dict writes an infinite float as {"__float__": "Infinity"} (Mamba-2's time_step_limit); the worker
-            # passes each value back to the config class, which wants the float (Python's json carries it).
-            values = getattr(config, "_decode_special_floats", lambda v: v)(values)
-            if getattr(config, "_experts_implementation", None):  # to_dict leaves out how experts run (eager: a loop)
-                values["experts_implementation"] = config._experts_implementation
-        else:
-            values = release_values(config)
-        p["overrides"] = ",".join(f"{k}={v}" for k, v in parse_overrides(p["overrides"]).items())  # as kvlab's records
-        p["num_beams"] = beams(p)
-        p["kv_final_bytes"] = final_kv_bytes(
-            config, p["batch"] * p["num_beams"], p["prompt"] + p["new"] + p["restart_new"], p["dtype"]
-        )
-        weights = str(state_file(p["preset"])) if p["preset"] in REAL_WEIGHTS else None
-        specs.append(
-            dict(p, model_type=config.model_type, config=values, attention=attention_of(config), weights=weights)
-        )
-    target = install_reference(version)
-    path = [str(ROOT)] if target is None else [str(target), str(ROOT)]
-    job = json.dumps(dict(version=version, points=specs))
-    result = subprocess.run(
-        [sys.executable, "-m", "kvlab.lab.reference", job],
-        env=dict(os.environ, PYTHONPATH=os.pathsep.join(path)),
-        capture_output=True,
-        text=True,
-    )
-    if result.returncode != 0:
-        raise RuntimeError(f"transformers {version} run failed:\n{result.stderr[-3000:]}")
-    return [
-        dict(record, overhead_over_kv=over_kv(record["overhead_bytes"], record["kv_final_bytes"]))
-        for record in json.loads(result.stdout.strip().splitlines()[-1])
-    ]
 
 
 def weights_digest(model) -> str:

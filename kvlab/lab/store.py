@@ -20,11 +20,11 @@ from pathlib import Path
 
 from filelock import FileLock
 
+from ..results import STATUSES, table_rows
 from ..schema import DEFAULTS, RECORD_FIELDS
 
 # Fixed column order, so rows appended by different runs (and failure rows) stay aligned.
 COLUMNS = ["point_id", "status", "error", "started_at", "elapsed_s", "notebook", *DEFAULTS, *RECORD_FIELDS]
-STATUSES = ("ok", "oom", "too-big", "failed")
 # A point writes its executed notebook (tens of kB) and its row: a sweep refuses to start with less free.
 MIN_FREE_BYTES = 2**20
 
@@ -124,34 +124,6 @@ def prepare_folder(out: str | os.PathLike, folders=("notebooks", "records")) -> 
         )
 
 
-def _table_rows(path: Path) -> tuple[list[dict], str | None]:
-    """A results table's rows, or why it is damaged: each line whole, with the header's number of fields,
-    a point id seen once and a known status."""
-    data = path.read_bytes() if path.exists() else b""
-    if not data:
-        return [], None
-    if not data.endswith(b"\n"):
-        return [], "its last line is cut off"
-    try:
-        reader = csv.reader(io.StringIO(data.decode(), newline=""))
-        header = next(reader)
-        if header[:2] != ["point_id", "status"]:
-            return [], "its first line is not a results header (point_id,status,...)"
-        rows = []
-        for fields in reader:
-            row = dict(zip(header, fields))
-            if len(fields) != len(header):
-                return [], f"line {reader.line_num} has {len(fields)} fields, the header {len(header)}"
-            if not row["point_id"] or row["status"] not in STATUSES:
-                return [], f"line {reader.line_num} has no point id or an unknown status {row['status']!r}"
-            rows.append(row)
-    except (UnicodeDecodeError, csv.Error) as error:
-        return [], f"it is not CSV text: {error}"
-    if len({row["point_id"] for row in rows}) < len(rows):
-        return [], "a point id appears twice"
-    return rows, None
-
-
 def _set_aside(path: Path, why: str, then: str) -> None:
     """Rename a damaged file out of the way (kept, never adopted) and say so in one line."""
     stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%SZ")
@@ -183,7 +155,7 @@ def _rows(path: Path) -> list[dict]:
         else:  # JSON, but not a point's row: kept aside like a torn one
             _set_aside(record, "not a point's row (no point_id or an unknown status)", "its point runs again")
             lost.add(record.stem)
-    table, damage = _table_rows(path)
+    table, damage = table_rows(path)
     if damage and not saved:  # nothing to remake it from: leave it as it is for a person to look at
         raise ValueError(
             f"{path} is damaged ({damage}) and {records} holds no rows to rebuild it from: "
@@ -248,23 +220,6 @@ def rebuild(path: str | os.PathLike) -> list[dict]:
 def done_point_ids(path: str | os.PathLike) -> set[str]:
     """The points measured already (status "ok"): a rerun skips them, and retries every failure."""
     return {row["point_id"] for row in rebuild(path) if row["status"] == "ok"}
-
-
-def load_results(path: str | os.PathLike):
-    """A results CSV (or the folder that holds results.csv) as a pandas DataFrame, one row per point; a damaged
-    file is refused, with the command that rebuilds it."""
-    import pandas as pd
-
-    path = Path(path)
-    if path.is_dir():
-        path = path / "results.csv"
-    if damage := _table_rows(path)[1]:
-        raise ValueError(
-            f"{path} is damaged ({damage}); rebuild it from its records: "
-            f"python -m kvlab sweep --out {path.parent} --rebuild"
-        )
-    table = pd.read_csv(path, dtype={"error": "string", "overrides": "string", "notebook": "string"})
-    return table.assign(overrides=table["overrides"].fillna(""))  # no overrides is "", as in a record
 
 
 def append_run(out: str | os.PathLike, command: str, started: datetime.datetime, device: str, **details) -> dict:

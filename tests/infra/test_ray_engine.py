@@ -21,7 +21,8 @@ import pytest
 from kvlab.lab.engines import run_sweep
 from kvlab.lab.grid import expand, point_id, validate
 from kvlab.lab.ray_engine import init_ray, point_resources
-from kvlab.lab.store import append_row, load_results
+from kvlab.lab.store import append_row
+from kvlab.results import load_results
 
 ray = pytest.importorskip("ray")
 psutil = pytest.importorskip("psutil")

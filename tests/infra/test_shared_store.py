@@ -17,7 +17,8 @@ import pytest
 from kvlab import cli
 from kvlab.lab.grid import point_id, point_label, validate
 from kvlab.lab.runner import POINT_NOTEBOOK, run_one
-from kvlab.lab.store import append_row, load_results, replace_text
+from kvlab.lab.store import append_row, replace_text
+from kvlab.results import load_results
 
 ROOT = Path(__file__).resolve().parents[2]
 # The cheapest points there are: one layer, batch 1, prompt 8, 4 new tokens; three designs.

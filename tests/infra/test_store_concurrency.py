@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from kvlab.lab.store import COLUMNS, load_results
+from kvlab.lab.store import COLUMNS
+from kvlab.results import load_results
 
 ROOT = Path(__file__).resolve().parents[2]
 WRITERS, POINTS = 4, 12

@@ -19,7 +19,8 @@ import pandas as pd
 import pytest
 
 from kvlab import cli
-from kvlab.lab.store import append_row, done_point_ids, load_results, rebuild
+from kvlab.lab.store import append_row, done_point_ids, rebuild
+from kvlab.results import load_results
 
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED = ROOT / "data" / "cpu" / "results.csv"

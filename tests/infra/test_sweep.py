@@ -19,7 +19,8 @@ from kvlab import cli
 from kvlab.lab.engines import run_sweep
 from kvlab.lab.grid import SWEEPS_DIR, expand, load_sweep, parse_grid_item, point_id, validate
 from kvlab.lab.runner import failure_status
-from kvlab.lab.store import COLUMNS, done_point_ids, load_results
+from kvlab.lab.store import COLUMNS, done_point_ids
+from kvlab.results import load_results
 from kvlab.schema import DEFAULTS
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,6 @@
-"""Lesson 03's figures and tables, also drawn by appendix A5 and `python -m kvlab compare`: the PR's benchmark plots
-redrawn from a results table (`kvlab.lab.store.load_results`), the predictions refreshed from kvlab.theory.
+"""Lesson 03's figures and tables, also drawn by appendix A5 (kvlab.notebook.figures.compare draws the main job's
+and A5's overhead panels from them): the PR's benchmark plots
+redrawn from a results table (`kvlab.results.load_results`), the predictions refreshed from kvlab.theory.
 Measured: markers on lines; kvlab.theory: thin black dashes over them."""
 
 from __future__ import annotations
@@ -10,12 +11,10 @@ import seaborn as sns
 
 from ... import schema, theory
 from ...configs import build_config
-from ..helpers import MIB, WIDTH
+from ..helpers import WIDTH
 
 SIZES = ("new", "batch", "prompt")
 AXIS_NAMES = {"new": "new tokens", "batch": "batch size", "prompt": "prompt length (tokens)"}
-DESIGN_LABELS = [f"{cache} / {loop}" for cache, loop in schema.DESIGNS]  # "cache / loop", in DESIGNS order
-MARKERS = "osD^vPX*"
 # Before and after PR #30536, as released: the ratio the PR reports.
 BASELINE, FIXED = ("tuple", "v4.40"), ("dynamic", "v4.42")
 
@@ -69,69 +68,12 @@ def varying_sizes(df: pd.DataFrame) -> list[str]:
     return [vary for vary in SIZES if _series_parts(measured(df), vary)]
 
 
-def _held(row, vary: str) -> str:
+def held_sizes(row, vary: str) -> str:
     """The sizes a series holds fixed, as in "batch size 1, prompt length 300"."""
     return ", ".join(f"{AXIS_NAMES[size].split(' (')[0]} {row[size]}" for size in SIZES if size != vary)
 
 
-def overhead_figure(df: pd.DataFrame, vary: str = "new"):
-    """Peak above the weights ÷ final KV against one size, in two panels so that no design hides another: the
-    PR's comparison (the loops of v4.40 and v4.42: the tuple cache on 2x, one cache object near 1x, y from zero)
-    and today's loop with every design (v5: all near 1x, the y axis zoomed so that they separate). Measured:
-    markers on a line; kvlab.theory: a thin black dash over each."""
-    rows = series(measured(df), vary)
-    rows = rows.assign(
-        measured_x=rows["overhead_bytes"] / rows["kv_final_bytes"],
-        theory_x=rows["predicted_overhead_bytes"] / rows["kv_final_bytes"],
-    )
-    several = rows["preset"].nunique() > 1
-    panels = [
-        ("before and after the PR (loops v4.40, v4.42)", rows[rows["loop"] != "v5"]),
-        ("today's loop (v5), every design (y zoomed)", rows[rows["loop"] == "v5"]),
-    ]
-    panels = [(name, part) for name, part in panels if not part.empty]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.9 * len(panels), 4.3), squeeze=False)
-    designs = [d for d in DESIGN_LABELS if d in set(rows["design"])] + sorted(set(rows["design"]) - set(DESIGN_LABELS))
-    colours = dict(zip(designs, sns.color_palette("tab10", len(designs))))
-    for ax, (name, part) in zip(axes[0], panels):
-        # Hollow markers that shrink from line to line: where designs coincide, each stays visible inside the last.
-        for i, ((preset, design), line) in enumerate(part.groupby(["preset", "design"], sort=False)):
-            label = f"{design} ({preset})" if several else design
-            ax.plot(
-                line[vary],
-                line["measured_x"],
-                "-",
-                marker=MARKERS[designs.index(design) % len(MARKERS)],
-                markersize=max(11 - 2 * i, 4),
-                fillstyle="none",
-                markeredgewidth=1.5,
-                color=colours[design],
-                label=label,
-            )
-            if line["theory_x"].notna().all():
-                ax.plot(line[vary], line["theory_x"], "--", color="black", linewidth=0.8, zorder=4)
-        ax.plot([], [], "--", color="black", linewidth=0.8, label="kvlab.theory")
-        for multiple in (1, 2):
-            ax.axhline(multiple, color="grey", linestyle=":", linewidth=1.2, zorder=1)
-        if part["loop"].eq("v5").all():
-            low, high = part[["measured_x", "theory_x"]].min().min(), part[["measured_x", "theory_x"]].max().max()
-            ax.set_ylim(min(0.98, low - 0.01), high + 0.25 * (high - min(0.98, low)) + 0.01)
-        else:
-            ax.set_ylim(0, max(2.2, part["measured_x"].max() * 1.08))
-        ax.set(xlim=(0, None), xlabel=AXIS_NAMES[vary], title=name)
-    axes[0][0].set_ylabel("peak above the weights ÷ final KV (x)")
-    _figure_legend(fig, axes[0], ncol=4)
-    first = rows.iloc[0]
-    fig.suptitle(
-        f"Peak against {AXIS_NAMES[vary]}, in final KV caches: {first['preset']} {first['dtype']} "
-        f"on {first['device']}, {_held(first, vary)}",
-        fontsize=11,
-    )
-    fig.tight_layout(rect=(0, 0.055 * -(-len(fig.legends[0].get_texts()) // 4), 1, 1))
-    return fig
-
-
-def _figure_legend(fig, axes, ncol: int, extra=()):
+def figure_legend(fig, axes, ncol: int, extra=()):
     """One legend for all `axes`, below them (never over a point): each label once, in the order first drawn;
     `extra`: (handle, label) pairs added at the end."""
     entries = {}
@@ -242,7 +184,7 @@ def improvement_figure(df: pd.DataFrame, sizes=SIZES, title: str = "", peaks: bo
                 )
         # x to 7 % past the last point: the PR's triangles on the right edge stay clear of it
         ax.set(ylim=(1, 2.15), xlim=(0, table[vary].max() * 1.07), xlabel=AXIS_NAMES[vary])
-        axes[0][column].set_title(_held(table.iloc[0], vary), fontsize=10)
+        axes[0][column].set_title(held_sizes(table.iloc[0], vary), fontsize=10)
     axes[-1][0].set_ylabel("saving (x): tuple / v4.40\npeak ÷ dynamic / v4.42 peak")
     if peaks:
         axes[0][0].set_ylabel("peak above the weights\n÷ final KV (x)")
@@ -256,7 +198,7 @@ def improvement_figure(df: pd.DataFrame, sizes=SIZES, title: str = "", peaks: bo
         ),
     ]
     columns = 3 if len(tables) > 2 else 2
-    legend = _figure_legend(fig, axes.flat, ncol=columns, extra=extra)
+    legend = figure_legend(fig, axes.flat, ncol=columns, extra=extra)
     fig.suptitle(
         title or f"How much the PR saved, measured: {first['preset']} {first['dtype']} on {first['device']}",
         fontsize=11,
@@ -291,34 +233,3 @@ def _peaks_panel(ax, df: pd.DataFrame, vary: str):
         ax.axhline(multiple, color="grey", linestyle=":", linewidth=1.2, zorder=1)
     top = (rows["overhead_bytes"] / rows["kv_final_bytes"]).max()
     ax.set_ylim(0, max(2.4, top * 1.08))
-
-
-def compare_figure(df: pd.DataFrame):
-    """Measured overhead above the weights per design, with the analytic prediction and 1x / 2x KV."""
-    df = measured(df).assign(measured=df["overhead_bytes"] / MIB, predicted=df["predicted_overhead_bytes"] / MIB)
-    kv = df["kv_final_bytes"].iloc[0] / MIB
-    fig, ax = plt.subplots(figsize=(8, 4))
-    sns.barplot(data=df, y="design", x="measured", color="tab:blue", ax=ax, label="measured")
-    ax.scatter(df["predicted"], range(len(df)), color="black", marker="|", s=300, zorder=3, label="kvlab.theory")
-    for multiple in (1, 2):
-        ax.axvline(multiple * kv, color="grey", linestyle="--", linewidth=1)
-        ax.text(
-            multiple * kv,
-            0.01,
-            f" {multiple}x KV",
-            ha="left",
-            va="bottom",
-            color="grey",
-            fontsize=8,
-            transform=ax.get_xaxis_transform(),
-        )
-    first = df.iloc[0]
-    ax.set(
-        xlabel="peak memory above the weights (MiB)",
-        ylabel="cache / loop",
-        title=f"{first['preset']} {first['dtype']} on {first['device']}: batch {first['batch']}, "
-        f"prompt {first['prompt']}, {first['new']} new tokens",
-    )
-    ax.legend(loc="lower right")
-    fig.tight_layout()
-    return fig

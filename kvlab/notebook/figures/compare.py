@@ -1,0 +1,103 @@
+"""The main job's figures (`python -m kvlab compare`): each design's overhead beside kvlab.theory's, and the
+overhead against each varied size, which appendix A5 draws too, from a results table as lesson 03 reads it."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+
+from ... import schema
+from ..helpers import MIB
+from .analysis import AXIS_NAMES, figure_legend, held_sizes, measured, series
+
+DESIGN_LABELS = [f"{cache} / {loop}" for cache, loop in schema.DESIGNS]  # "cache / loop", in DESIGNS order
+MARKERS = "osD^vPX*"
+
+
+def overhead_figure(df: pd.DataFrame, vary: str = "new"):
+    """Peak above the weights ÷ final KV against one size, in two panels so that no design hides another: the
+    PR's comparison (the loops of v4.40 and v4.42: the tuple cache on 2x, one cache object near 1x, y from zero)
+    and today's loop with every design (v5: all near 1x, the y axis zoomed so that they separate). Measured:
+    markers on a line; kvlab.theory: a thin black dash over each."""
+    rows = series(measured(df), vary)
+    rows = rows.assign(
+        measured_x=rows["overhead_bytes"] / rows["kv_final_bytes"],
+        theory_x=rows["predicted_overhead_bytes"] / rows["kv_final_bytes"],
+    )
+    several = rows["preset"].nunique() > 1
+    panels = [
+        ("before and after the PR (loops v4.40, v4.42)", rows[rows["loop"] != "v5"]),
+        ("today's loop (v5), every design (y zoomed)", rows[rows["loop"] == "v5"]),
+    ]
+    panels = [(name, part) for name, part in panels if not part.empty]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.9 * len(panels), 4.3), squeeze=False)
+    designs = [d for d in DESIGN_LABELS if d in set(rows["design"])] + sorted(set(rows["design"]) - set(DESIGN_LABELS))
+    colours = dict(zip(designs, sns.color_palette("tab10", len(designs))))
+    for ax, (name, part) in zip(axes[0], panels):
+        # Hollow markers that shrink from line to line: where designs coincide, each stays visible inside the last.
+        for i, ((preset, design), line) in enumerate(part.groupby(["preset", "design"], sort=False)):
+            label = f"{design} ({preset})" if several else design
+            ax.plot(
+                line[vary],
+                line["measured_x"],
+                "-",
+                marker=MARKERS[designs.index(design) % len(MARKERS)],
+                markersize=max(11 - 2 * i, 4),
+                fillstyle="none",
+                markeredgewidth=1.5,
+                color=colours[design],
+                label=label,
+            )
+            if line["theory_x"].notna().all():
+                ax.plot(line[vary], line["theory_x"], "--", color="black", linewidth=0.8, zorder=4)
+        ax.plot([], [], "--", color="black", linewidth=0.8, label="kvlab.theory")
+        for multiple in (1, 2):
+            ax.axhline(multiple, color="grey", linestyle=":", linewidth=1.2, zorder=1)
+        if part["loop"].eq("v5").all():
+            low, high = part[["measured_x", "theory_x"]].min().min(), part[["measured_x", "theory_x"]].max().max()
+            ax.set_ylim(min(0.98, low - 0.01), high + 0.25 * (high - min(0.98, low)) + 0.01)
+        else:
+            ax.set_ylim(0, max(2.2, part["measured_x"].max() * 1.08))
+        ax.set(xlim=(0, None), xlabel=AXIS_NAMES[vary], title=name)
+    axes[0][0].set_ylabel("peak above the weights ÷ final KV (x)")
+    figure_legend(fig, axes[0], ncol=4)
+    first = rows.iloc[0]
+    fig.suptitle(
+        f"Peak against {AXIS_NAMES[vary]}, in final KV caches: {first['preset']} {first['dtype']} "
+        f"on {first['device']}, {held_sizes(first, vary)}",
+        fontsize=11,
+    )
+    fig.tight_layout(rect=(0, 0.055 * -(-len(fig.legends[0].get_texts()) // 4), 1, 1))
+    return fig
+
+
+def compare_figure(df: pd.DataFrame):
+    """Measured overhead above the weights per design, with the analytic prediction and 1x / 2x KV."""
+    df = measured(df).assign(measured=df["overhead_bytes"] / MIB, predicted=df["predicted_overhead_bytes"] / MIB)
+    kv = df["kv_final_bytes"].iloc[0] / MIB
+    fig, ax = plt.subplots(figsize=(8, 4))
+    sns.barplot(data=df, y="design", x="measured", color="tab:blue", ax=ax, label="measured")
+    ax.scatter(df["predicted"], range(len(df)), color="black", marker="|", s=300, zorder=3, label="kvlab.theory")
+    for multiple in (1, 2):
+        ax.axvline(multiple * kv, color="grey", linestyle="--", linewidth=1)
+        ax.text(
+            multiple * kv,
+            0.01,
+            f" {multiple}x KV",
+            ha="left",
+            va="bottom",
+            color="grey",
+            fontsize=8,
+            transform=ax.get_xaxis_transform(),
+        )
+    first = df.iloc[0]
+    ax.set(
+        xlabel="peak memory above the weights (MiB)",
+        ylabel="cache / loop",
+        title=f"{first['preset']} {first['dtype']} on {first['device']}: batch {first['batch']}, "
+        f"prompt {first['prompt']}, {first['new']} new tokens",
+    )
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    return fig
