@@ -10,7 +10,7 @@ import pytest
 import torch
 import transformers
 
-from kvlab import theory
+from kvlab import releases, theory
 from kvlab.configs import build_config
 from kvlab.lab import reference
 from kvlab.lab.point import run_point
@@ -106,20 +106,20 @@ def _real_records(pair: str, quick: bool) -> dict:
     return {(p["dtype"], p["config"], p["strategy"]): record for p, record in zip(points, records)}
 
 
-@pytest.mark.parametrize("version", list(reference.RELEASES))
+@pytest.mark.parametrize("version", list(releases.RELEASES))
 def test_release_folder_installs_once(version, monkeypatch):
     if install_error(version):
         pytest.skip(install_error(version))
-    target, pins = reference.RELEASES[version]
+    target, pins = releases.RELEASES[version]
     assert (target / f"transformers-{version}.dist-info").is_dir()
-    monkeypatch.setattr(reference.subprocess, "run", None)  # the second call must not run pip
+    monkeypatch.setattr(releases.subprocess, "run", None)  # the second call must not run pip
     assert install_reference(version) == target
     if version == "4.42.4":
         assert "numpy==1.26.4" in pins and (target / "numpy-1.26.4.dist-info").is_dir()  # it refuses numpy 2
 
 
 def test_unreachable_index_is_a_clear_error_after_saying_what_it_installs(tmp_path, monkeypatch, capsys):
-    monkeypatch.setitem(reference.RELEASES, "4.40.1", (tmp_path / "tf", ("transformers==4.40.1",)))
+    monkeypatch.setitem(releases.RELEASES, "4.40.1", (tmp_path / "tf", ("transformers==4.40.1",)))
     monkeypatch.setenv("PIP_NO_INDEX", "1")
     monkeypatch.setenv("PIP_CONFIG_FILE", "/dev/null")  # no find-links from a config file either
     with pytest.raises(ReferenceInstallError, match="pip could not install transformers==4.40.1") as error:
