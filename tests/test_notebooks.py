@@ -312,3 +312,18 @@ def test_stream_modes_with_identical_lines_are_drawn_once_when_asked():
     mode_lines(merged, df, x="request", y="mib", legend=False, merge_identical=True)
     assert every.get_legend_handles_labels()[1] == ["hf-static", "reused", "reused-max", "dynamic"]
     assert merged.get_legend_handles_labels()[1] == ["hf-static = dynamic", "reused", "reused-max"]
+
+
+def test_lessons_01_to_03_climb_through_the_lessons_floor_only():
+    """What a reader of lessons 01-03 climbs through (their kvlab imports, with what those import in turn, imports
+    inside functions included: scripts/lesson_closure.py) holds no module of the planner or the machinery."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lesson_closure", ROOT / "scripts" / "lesson_closure.py")
+    closure = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(closure)
+    lessons = [path for path in NOTEBOOKS if path.name[:2] in ("01", "02", "03")]
+    modules = closure.closure(set().union(*(closure.notebook_imports(path) for path in lessons)))
+    assert "kvlab.loops" in modules and "kvlab.meter" in modules  # the walk sees through the lessons' imports
+    above = ("lab", "planner", "savers", "waste", "explain", "graphs", "encdec", "timing", "compare", "cli")
+    assert sorted(m for m in modules if m.split(".")[1:2] and m.split(".")[1] in above) == []
