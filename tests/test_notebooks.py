@@ -24,7 +24,8 @@ from kvlab.notebook.tools import LESSON_WORDS, LESSONS_WORDS, declared_parameter
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS_DIR = ROOT / "notebooks"
-NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
+# not the hidden file `kvlab.notebook run` writes beside a notebook while it executes it
+NOTEBOOKS = sorted(path for path in NOTEBOOKS_DIR.glob("*.ipynb") if not path.name.startswith("."))
 # Parameters that name a file or folder the notebook writes: pointed into the tmp dir.
 OUTPUT_PARAMETERS = ("record_path", "out", "out_dir", "output_dir", "output_path")
 

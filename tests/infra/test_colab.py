@@ -28,7 +28,8 @@ from kvlab.notebook.colab import SETUP_TAG
 from kvlab.notebook.tools import declared_parameters, is_setup_cell
 
 ROOT = Path(__file__).resolve().parents[2]
-NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+# not the hidden file `kvlab.notebook run` writes beside a notebook while it executes it
+NOTEBOOKS = sorted(path for path in (ROOT / "notebooks").glob("*.ipynb") if not path.name.startswith("."))
 # Colab's kernel has google.colab imported before the first cell; this one does the same.
 KERNEL_START = "import google.colab; from ipykernel.kernelapp import launch_new_instance; launch_new_instance()"
 RUN_WHOLE = {"02_tuple_vs_dynamic"}  # the notebook that installs the real releases in Colab (kvlab.lab.reference)
