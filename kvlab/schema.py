@@ -52,22 +52,10 @@ DEFAULTS = dict(
     timing=True,
     force=False,
 )
-# A design point's keys: what kvlab.theory and the planner predict from (the model aside).
-POINT_KEYS = (
-    "cache",
-    "loop",
-    "strategy",
-    "batch",
-    "prompt",
-    "new",
-    "restart_new",
-    "restart_from",
-    "num_beams",
-    "dtype",
-    "chunk_limit",
-    "block_tokens",
-    "runtime",
-    "device",
+# A design point's keys: what kvlab.theory and the planner predict from, the point's parameters but the model
+# (preset, overrides), whose code runs it (kind) and how the run is done (seed, meter, timing, force).
+POINT_KEYS = tuple(
+    key for key in DEFAULTS if key not in ("kind", "preset", "overrides", "seed", "track_storages", "timing", "force")
 )
 # A record: the point's parameters (those below), then these fields, in results.csv's column order.
 RECORD_PARAMETERS = (
