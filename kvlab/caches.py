@@ -31,11 +31,10 @@ from transformers.cache_utils import (
 )
 
 from .compat import cache_argument
+from .counts import ATTENTION, WINDOWED, layer_kinds
+from .counts import sliding_windows as sliding_windows  # notebook 07 imports it from here
 from .meter import storage_bytes
-from .models import layer_kinds
-from .schema import DEFAULTS
-
-CACHES = ("tuple", "dynamic", "list", "static", "prealloc")
+from .schema import CACHES, DEFAULTS
 
 
 class CatLayer(DynamicLayer):
@@ -316,26 +315,11 @@ def num_layers(model) -> int:
     return model.config.get_text_config(decoder=True).num_hidden_layers
 
 
-def sliding_windows(config) -> list[int | None]:
-    """Each layer's window, None for a layer that keeps every token, as 5.x's `DynamicCache(config=...)` reads a
-    (model's) config: `layer_types` where it has them, else `sliding_window` for every layer (Mistral). A chunked
-    layer's window is its chunk: 5.x caches it as a sliding layer, only its mask differs."""
-    return [kw.get("sliding_window") if kind in WINDOWED else None for kind, kw in layer_kinds(config)]
+# The layers kvlab's designs hold: attention that caches keys and values per token (kvlab.counts.ATTENTION). Every
+# other layer keeps the cache 5.x's DynamicCache(config=...) gives it (chunked attention counts as sliding, as
+# there): conv and recurrent state (linear attention, Mamba, both beside attention in a hybrid layer), nothing
+# (MoE/MLP-only and KV-sharing layers), an indexed layer.
 
-
-def window_tokens(window: int | None, tokens: int, fed: int = 0) -> int:
-    """Tokens a 5.x layer of `window` (None: a full layer) holds after `tokens` were fed, `fed` of them by the last
-    update: a full layer all of them; a sliding layer its last update's cat output, at most window - 1 tokens from
-    before and the `fed` ones (it keeps a view of the last window - 1, what a later query can see)."""
-    return tokens if window is None else min(tokens - fed, window - 1) + fed
-
-
-# The layers kvlab's designs hold: attention that caches keys and values per token. Every other layer keeps the
-# cache 5.x's DynamicCache(config=...) gives it (chunked attention counts as sliding, as there): conv and
-# recurrent state (linear attention, Mamba, both beside attention in a hybrid layer), nothing (MoE/MLP-only and
-# KV-sharing layers), an indexed layer.
-WINDOWED = ("sliding_attention", "chunked_attention")
-ATTENTION = ("full_attention", *WINDOWED)
 # Model types whose forward refuses any cache but a class of their own (MiniMax's linear-attention state).
 OWN_CACHE = {"minimax": "MiniMaxCache"}
 

@@ -6,9 +6,8 @@ is no error (5.17 swallows `cache=` into `**kwargs` and runs without a cache), s
 """
 
 import inspect
+from importlib.metadata import version
 
-import torch
-import transformers
 from packaging.version import Version
 
 CACHE_RENAMED_IN = "5.24"
@@ -17,8 +16,13 @@ CACHE_RENAMED_IN = "5.24"
 ONES_MASK_DROPPED_IN = "5.18"
 
 
-def _installed_at_least(version: str) -> bool:
-    return Version(transformers.__version__).release >= Version(version).release
+def installed_transformers() -> str:
+    """The installed transformers' version, read from its metadata: no need to import it (that takes seconds)."""
+    return version("transformers")
+
+
+def _installed_at_least(release: str) -> bool:
+    return Version(installed_transformers()).release >= Version(release).release
 
 
 def _installed_renames() -> bool:
@@ -30,7 +34,7 @@ def generate_drops_ones_mask() -> bool:
     return _installed_at_least(ONES_MASK_DROPPED_IN)
 
 
-def cache_argument(model: torch.nn.Module) -> str:
+def cache_argument(model) -> str:
     """The keyword that carries the KV cache into `model.forward`, from its signature (the installed release's
     name for a forward that names neither)."""
     params = inspect.signature(type(model).forward).parameters

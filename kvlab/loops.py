@@ -36,19 +36,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .caches import CACHES, cache_length, cache_tensors, forward, make_cache
 from .compat import cache_from_outputs, generate_drops_ones_mask
-
-
-@dataclass(frozen=True)
-class Release:
-    """What one release's `generate()` did differently; see the module docstring."""
-
-    name: str
-    keeps_previous_outputs: bool  # v4.40: `outputs` lived until the next forward returned
-    major: int  # 4: the 4.x forward (fp32 logits of every position, repeat_kv); 5: 5.x (forward and beam buffers)
-
-
-LOOPS = {"v4.40": Release("v4.40", True, 4), "v4.42": Release("v4.42", False, 4), "v5": Release("v5", False, 5)}
-STRATEGIES = ("greedy", "sample", "beam")
+from .schema import LOOPS, STRATEGIES, Release
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,23 @@ name 5.x's config classes.
 
 from __future__ import annotations
 
-import functools
 import platform
 from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
 from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+
+# Counted from a config alone (kvlab.counts); the lessons import them from here, beside the model they count.
+from .counts import DTYPES as DTYPES
+from .counts import element_size as element_size
+from .counts import final_kv_bytes as final_kv_bytes
+from .counts import head_dim as head_dim
+from .counts import kv_bytes_per_token as kv_bytes_per_token
+from .counts import kv_heads as kv_heads
+from .counts import layer_bytes_per_token as layer_bytes_per_token
+from .counts import layer_kinds as layer_kinds
+from .counts import parse_dtype
 
 
 def assert_varied(new_tokens, least: float = 0.5) -> None:
@@ -27,26 +37,6 @@ def assert_varied(new_tokens, least: float = 0.5) -> None:
     assert rows and all(count >= max(2, least * len(row)) for count, row in zip(distinct, rows)), (
         f"degenerate output: distinct tokens per row {distinct} of {[len(row) for row in rows]}; first row {rows[0]}"
     )
-
-
-DTYPES = {
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "fp32": torch.float32,
-    "fp16": torch.float16,
-    "bf16": torch.bfloat16,
-}
-
-
-def parse_dtype(name: str) -> torch.dtype:
-    if name not in DTYPES:
-        raise ValueError(f"unknown dtype {name!r}; choose one of: {', '.join(DTYPES)}")
-    return DTYPES[name]
-
-
-def element_size(dtype: str) -> int:
-    return torch.empty((), dtype=parse_dtype(dtype)).element_size()
 
 
 def check_device(device: str) -> str:
@@ -154,77 +144,6 @@ def build_model(preset: str = "toy", overrides=None, device: str = "cpu", dtype:
     else:
         g.pad_token_id = 0
     return model.eval()
-
-
-def head_dim(config) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-
-
-def kv_heads(config) -> int:
-    """Heads of keys and values a layer caches: grouped (num_key_value_heads) where the model type has that field,
-    else one per query head (GPT-2, GPT-J, OPT: a stray num_key_value_heads in their config.json is not read);
-    Falcon's own rule (its attention: multi-query caches one head, its new decoder architecture one per query)."""
-    if getattr(config, "model_type", None) == "falcon":
-        if config.new_decoder_architecture:
-            return config.num_attention_heads
-        return 1 if config.multi_query else config.num_kv_heads
-    if hasattr(config, "num_key_value_heads") and _has_field(type(config), "num_key_value_heads"):
-        return config.num_key_value_heads or config.num_attention_heads
-    return config.num_attention_heads
-
-
-@functools.cache
-def _has_field(config_class, name: str) -> bool:
-    """Whether a config class itself defines `name` (not just a value passed to it)."""
-    return not hasattr(config_class, "model_type") or hasattr(config_class(), name)
-
-
-def layer_kinds(config) -> list[tuple[str, dict]]:
-    """Each decoder layer's cache type and its keywords (a window, a number of states), as 5.x's
-    `DynamicCache(config=...)` reads a (model's) config."""
-    from transformers.cache_utils import get_layer_types_and_kwargs  # 5.x only: the 4.x workers never call this
-
-    kinds, options = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
-    if isinstance(options, dict):  # older 5.x (5.17): one kwargs dict for every layer, not a list per layer
-        options = [options] * len(kinds)
-    return list(zip(kinds, options))
-
-
-# Layers that add nothing per token: recurrent state (linear attention, Mamba, conv) and no cache at all
-# (MoE/MLP-only layers, layers that read another layer's keys and values).
-PER_TOKEN_FREE = ("linear_attention", "conv", "dummy", "moe", "mlp")  # moe, mlp: 5.17's names
-
-
-def kv_bytes_per_token(config, batch: int, dtype: str) -> int:
-    """Bytes one token adds to the KV cache of the whole model: keys and values of every layer that caches them
-    per token, or, with multi-head latent attention, the latent and the rotary key that 5.x caches instead."""
-    return sum(layer_bytes_per_token(config, batch, dtype))
-
-
-def layer_bytes_per_token(config, batch: int, dtype: str) -> list[int]:
-    """kv_bytes_per_token layer by layer: 0 for a layer that caches nothing per token."""
-    if not hasattr(config, "get_text_config"):  # a bare shape (kvlab.encdec's decoder): every layer caches
-        return [batch * _token_width(config) * element_size(dtype)] * config.num_hidden_layers
-    text = config.get_text_config(decoder=True)
-    # Gemma 4: a layer's own config where its head size or heads differ from the others'
-    layers = getattr(text, "per_layer_config", None) or [text] * text.num_hidden_layers
-    kinds = [kind for kind, _ in layer_kinds(config)]
-    size = element_size(dtype)
-    return [0 if kind in PER_TOKEN_FREE else batch * _token_width(layer) * size for kind, layer in zip(kinds, layers)]
-
-
-def _token_width(layer) -> int:
-    """Elements one token adds to one layer's cache."""
-    if latent := getattr(layer, "kv_lora_rank", None):  # multi-head latent attention: one "head" each
-        return latent + layer.qk_rope_head_dim
-    return 2 * kv_heads(layer) * head_dim(layer)
-
-
-def final_kv_bytes(config, sequences: int, tokens: int, dtype: str) -> int:
-    """The final KV: every layer's keys and values for `tokens` tokens of each of `sequences` rows (batch x beams),
-    sliding layers too (the whole sequence's KV, not what a windowed cache keeps). It is what a point's overhead
-    is divided by (`overhead_over_kv`): the cache a run would hold if it were stored once, in full."""
-    return kv_bytes_per_token(config, sequences, dtype) * tokens
 
 
 def random_prompt(vocab_size: int, batch: int, prompt: int, seed: int) -> torch.Tensor:

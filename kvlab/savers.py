@@ -26,11 +26,12 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, DynamicCache, QuantizedCache
 
-from .caches import cache_bytes, sliding_windows, window_tokens
+from .caches import cache_bytes
 from .compat import cache_from_outputs
+from .counts import element_size, head_dim, kv_heads, layer_bytes_per_token, sliding_windows, window_tokens
 from .explain import explain, generate_call
 from .meter import MemoryMeter, weight_bytes
-from .models import build_model, element_size, head_dim, kv_heads, layer_bytes_per_token, random_prompt
+from .models import build_model, random_prompt
 from .planner.dry_run import dry_run
 from .presets import RANDOM_INIT_STD
 

@@ -3,6 +3,8 @@ store, the CLI, the plots and the predictor share it, and it loads in any proces
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 # (cache, loop): the <= 4.41 baseline, each of the PR's two fixes alone (v4.42's loop on tuples, v4.40's
 # loop on one cache object), the PR as released, then today's loop with every design.
 DESIGNS = [
@@ -15,6 +17,23 @@ DESIGNS = [
     ("static", "v5"),
     ("prealloc", "v5"),
 ]
+
+# The cache designs (kvlab.caches builds them).
+CACHES = ("tuple", "dynamic", "list", "static", "prealloc")
+
+
+# The loops of three releases' generate() (kvlab.loops runs them; kvlab.theory walks them).
+@dataclass(frozen=True)
+class Release:
+    """What one release's `generate()` did differently (kvlab.loops' docstring says how)."""
+
+    name: str
+    keeps_previous_outputs: bool  # v4.40: `outputs` lived until the next forward returned
+    major: int  # 4: the 4.x forward (fp32 logits of every position, repeat_kv); 5: 5.x (forward and beam buffers)
+
+
+LOOPS = {"v4.40": Release("v4.40", True, 4), "v4.42": Release("v4.42", False, 4), "v5": Release("v5", False, 5)}
+STRATEGIES = ("greedy", "sample", "beam")
 
 # kind="reference": (cache, loop) → the transformers release whose own generate() that design reproduces,
 # and the cache_implementation it is asked for (None: the release's default cache).

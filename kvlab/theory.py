@@ -20,12 +20,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .caches import sliding_windows, window_tokens
 from .compat import generate_drops_ones_mask
-from .loops import LOOPS, Release
-from .meter import flash_scratch_bytes
-from .models import element_size, final_kv_bytes, head_dim, kv_bytes_per_token
-from .schema import DEFAULTS, POINT_KEYS
+from .counts import (
+    element_size,
+    final_kv_bytes,
+    flash_scratch_bytes,
+    head_dim,
+    kv_bytes_per_token,
+    sliding_windows,
+    window_tokens,
+)
+from .schema import DEFAULTS, LOOPS, POINT_KEYS, Release
 
 INT64 = 8
 FP32 = 4
@@ -403,7 +408,7 @@ def _output_projection_phase(r: Run, step: Step) -> dict | None:
 def _cpu_flash_attention(r: Run, step: Step, masked: bool) -> dict:
     """What SDPA allocates inside on CPU, where it runs the flash kernel (grouped-query or not): a float copy of the
     bool mask it is given, its logsumexp (fp32 per row, head and query) and the scratch the kernel frees before it
-    returns (`kvlab.meter.flash_scratch_bytes`: a block of scores per thread, for this process's torch threads, so a
+    returns (`kvlab.counts.flash_scratch_bytes`: a block of scores per thread, for this process's torch threads, so a
     prediction on CPU depends on them). Not modelled: CUDA's fused kernels' own transients; the meta device runs
     SDPA as one op (`kvlab.loops`)."""
     s, fed = r.s, step.fed

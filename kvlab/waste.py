@@ -23,8 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from .caches import sliding_windows, window_tokens
 from .compat import cache_argument
+from .counts import sliding_windows, window_tokens
 from .explain import explain, generate_call
 from .meter import MemoryMeter, weight_bytes
 from .models import build_model, kv_bytes_per_token, random_prompt
