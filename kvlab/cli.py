@@ -8,18 +8,14 @@ rows kept.
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import signal
 import sys
 from pathlib import Path
 
-from .caches import CACHES
-from .explain import explain_point
-from .loops import LOOPS, STRATEGIES
 from .presets import DECODERS
 from .releases import ReferenceInstallError
-from .schema import DEFAULTS, KINDS
+from .schema import CACHES, DEFAULTS, EXPLAIN_DEFAULTS, KINDS, LOOPS, STRATEGIES
 
 # The point's options (--restart-new sets restart_new) and what each is; a number's metavar is N.
 POINT_OPTIONS = {
@@ -42,12 +38,6 @@ POINT_OPTIONS = {
     "dtype": "float32, bfloat16 or float16",
 }
 NUMBERS = ("batch", "prompt", "new", "restart-new", "num-beams", "chunk-limit", "block-tokens", "seed")
-# explain's point options and their defaults, as explain_point declares them (small: it runs twice on the CPU).
-EXPLAIN_DEFAULTS = {
-    name: p.default
-    for name, p in inspect.signature(explain_point).parameters.items()
-    if name in ("preset", "cache", "loop", "batch", "prompt", "new", "dtype", "seed")
-}
 # The rows of measure's table: (record field, what it is); a field the point has no value for is left out.
 TABLE = [
     ("baseline_bytes", "weights (before decoding)"),
@@ -143,6 +133,8 @@ def cmd_predict(args) -> None:
 def cmd_explain(args) -> None:
     options = {key: getattr(args, key) for key in (*EXPLAIN_DEFAULTS, "generate_of", "step")}
     check_explain(options, args.override or None)
+    from .explain import explain_point
+
     print(explain_point(overrides=args.override or None, **options).format())
 
 

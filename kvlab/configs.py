@@ -10,10 +10,6 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
-from huggingface_hub.errors import StrictDataclassError
-from huggingface_hub.utils import HFValidationError, validate_repo_id
-from transformers import AutoConfig
-
 from .presets import DECODERS, ENCODER_DECODERS, PRESETS
 
 
@@ -104,6 +100,8 @@ def one_line(error: Exception) -> str:
 
 
 def _construct(config_class: type, values: dict, name: str, overrides: dict | None = None):
+    from huggingface_hub.errors import StrictDataclassError
+
     try:
         return config_class(**values)
     except (ValueError, TypeError, StrictDataclassError) as error:  # transformers' own validators: one line
@@ -150,12 +148,19 @@ def choices() -> str:
     )
 
 
+def config_class(model_type: str) -> type:
+    """transformers' config class of a model type (imported here: transformers takes seconds to import)."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[model_type]
+
+
 def build_config(preset: str, overrides=None):
     """The preset's config with overrides applied; raises before anything is allocated."""
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of: {choices()}")
-    config_class, values = PRESETS[preset]
-    return _finish_config(config_class, values, overrides, preset)
+    model_type, values = PRESETS[preset]
+    return _finish_config(config_class(model_type), values, overrides, preset)
 
 
 def hub_reachable(timeout: float = 3.0) -> bool:
@@ -184,6 +189,8 @@ def is_hub_id(source: str) -> bool:
     """`owner/name` with no such local path (nor a .json name): a model on the Hugging Face hub."""
     if "/" not in source or source.endswith(".json") or Path(source).expanduser().exists():
         return False
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
     try:
         validate_repo_id(source)
     except HFValidationError:  # ./x/config.json, /abs/path, a/b/c: local paths
@@ -192,6 +199,8 @@ def is_hub_id(source: str) -> bool:
 
 
 def _hub_config(source: str):
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(source, local_files_only=True)
     except OSError:
@@ -214,6 +223,8 @@ def _local_config(source: str):
         json.loads(file.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
         raise ValueError(f"{file}: not a JSON file ({one_line(error)})") from None
+    from transformers import AutoConfig
+
     try:
         return AutoConfig.from_pretrained(file)
     except Exception as error:  # any reason transformers gives (no model_type, a validator, a bad value): one line

@@ -28,6 +28,7 @@ import torch
 
 from .meter import LiveStorageCounter
 from .models import random_prompt
+from .schema import CACHES, EXPLAIN_DEFAULTS
 
 UNREFERENCED = "unreferenced from Python"
 TORCH_DIR = os.path.dirname(torch.__file__)
@@ -263,25 +264,24 @@ def _children(obj):
 
 
 def explain_point(
-    preset: str = "toy",
+    preset: str = EXPLAIN_DEFAULTS["preset"],
     overrides=None,
-    batch: int = 2,
-    prompt: int = 16,
-    new: int = 8,
-    dtype: str = "float32",
-    cache: str = "tuple",
-    loop: str = "v4.40",
+    batch: int = EXPLAIN_DEFAULTS["batch"],
+    prompt: int = EXPLAIN_DEFAULTS["prompt"],
+    new: int = EXPLAIN_DEFAULTS["new"],
+    dtype: str = EXPLAIN_DEFAULTS["dtype"],
+    cache: str = EXPLAIN_DEFAULTS["cache"],
+    loop: str = EXPLAIN_DEFAULTS["loop"],
     generate_of: str = "kvlab",
     step: int | None = None,
-    seed: int = 0,
+    seed: int = EXPLAIN_DEFAULTS["seed"],
 ) -> Explanation:
     """Explain one greedy point of whose generate() `generate_of` names: kvlab's loop ("kvlab", with `cache` and
     `loop`), this transformers' own ("installed"), or a release's own ("4.40.1", "4.42.4": in its own process)."""
-    from .caches import CACHES
     from .configs import load_config
-    from .loops import LOOPS, check_choice
     from .models import build_model, parse_dtype
     from .releases import RELEASES, ROOT, install_reference, release_values
+    from .schema import LOOPS, check_choice
 
     for kind, value, choices in (
         ("generate_of", generate_of, ("kvlab", "installed", *RELEASES)),

@@ -36,7 +36,7 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .caches import CACHES, cache_length, cache_tensors, forward, make_cache
 from .compat import cache_from_outputs, generate_drops_ones_mask
-from .schema import LOOPS, STRATEGIES, Release
+from .schema import LOOPS, STRATEGIES, Release, check_choice
 
 
 @dataclass(frozen=True)
@@ -84,11 +84,6 @@ class Generation:
     tokens: torch.Tensor  # (batch * beams, prompt + new)
     cache: object  # what to continue from: the cache object (for `tuple`, the TupleCache of the last tuple)
     seconds: float  # wall time of the decoding loop
-
-
-def check_choice(kind: str, value: str, choices) -> None:
-    if value not in choices:
-        raise ValueError(f"unknown {kind} {value!r}; choose one of: {', '.join(choices)}")
 
 
 REPEAT_KV_ATTENTION = "kvlab_repeat_kv_sdpa"

@@ -14,8 +14,6 @@ import platform
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
-from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
 
 # Counted from a config alone (kvlab.counts); the lessons import them from here, beside the model they count.
 from .counts import DTYPES as DTYPES
@@ -77,6 +75,10 @@ def device_name(device: str) -> str:
 
 def model_class(config) -> type:
     """The Auto class of a config's generating model: decoders, text and speech encoder–decoders."""
+    # Imported here, not at the top: a prediction from a config file never builds a model, nor imports transformers.
+    from transformers import AutoModelForCausalLM, AutoModelForSeq2SeqLM, AutoModelForSpeechSeq2Seq
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES
+
     if not config.is_encoder_decoder:
         return AutoModelForCausalLM
     speech = config.model_type in MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES  # Whisper

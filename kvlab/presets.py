@@ -1,28 +1,18 @@
-"""The preset registry: decoders and encoder–decoders by name, each a config class and the values copied from the
-model's public config.json on the Hugging Face hub, with their twins and the random initialisation that makes
-their tokens vary. kvlab.models builds configs and models from them.
+"""The preset registry: decoders and encoder–decoders by name, each a model type (kvlab.configs finds transformers'
+config class for it) and the values copied from the model's public config.json on the Hugging Face hub, with their
+twins and the random initialisation that makes their tokens vary. kvlab.models builds configs and models from them.
+Plain values: a prediction reads them without importing transformers.
 """
 
 from __future__ import annotations
 
 import torch
-from transformers import (
-    BartConfig,
-    Gemma3TextConfig,
-    GptOssConfig,
-    LlamaConfig,
-    MistralConfig,
-    Qwen2Config,
-    Qwen3Config,
-    T5Config,
-    WhisperConfig,
-)
 
 # Values copied from each model's public config.json on the Hugging Face hub.
-DECODERS: dict[str, tuple[type, dict]] = {
+DECODERS: dict[str, tuple[str, dict]] = {
     # Small enough that CPU decoding of hundreds of tokens takes seconds.
     "toy": (
-        LlamaConfig,
+        "llama",
         dict(
             hidden_size=256,
             intermediate_size=512,
@@ -34,7 +24,7 @@ DECODERS: dict[str, tuple[type, dict]] = {
         ),
     ),
     "tinyllama-1.1b": (
-        LlamaConfig,
+        "llama",
         dict(  # TinyLlama/TinyLlama-1.1B-Chat-v1.0
             hidden_size=2048,
             intermediate_size=5632,
@@ -47,7 +37,7 @@ DECODERS: dict[str, tuple[type, dict]] = {
         ),
     ),
     "qwen2.5-0.5b": (
-        Qwen2Config,
+        "qwen2",
         dict(  # Qwen/Qwen2.5-0.5B
             hidden_size=896,
             intermediate_size=4864,
@@ -62,7 +52,7 @@ DECODERS: dict[str, tuple[type, dict]] = {
         ),
     ),
     "llama2-7b": (
-        LlamaConfig,
+        "llama",
         dict(  # meta-llama/Llama-2-7b-hf
             hidden_size=4096,
             intermediate_size=11008,
@@ -75,7 +65,7 @@ DECODERS: dict[str, tuple[type, dict]] = {
         ),
     ),
     "smollm2-135m": (
-        LlamaConfig,
+        "llama",
         dict(  # HuggingFaceTB/SmolLM2-135M-Instruct, as its GGUF file says (real weights: kvlab.weights)
             hidden_size=576,
             intermediate_size=1536,
@@ -93,7 +83,7 @@ DECODERS: dict[str, tuple[type, dict]] = {
         ),
     ),
     "mistral-7b": (
-        MistralConfig,
+        "mistral",
         dict(  # mistralai/Mistral-7B-v0.1, sliding window off (as v0.2+)
             hidden_size=4096,
             intermediate_size=14336,
@@ -107,7 +97,7 @@ DECODERS: dict[str, tuple[type, dict]] = {
         ),
     ),
     "llama3-8b": (
-        LlamaConfig,
+        "llama",
         dict(  # meta-llama/Meta-Llama-3-8B
             hidden_size=4096,
             intermediate_size=14336,
@@ -121,7 +111,7 @@ DECODERS: dict[str, tuple[type, dict]] = {
         ),
     ),
     "llama3-70b": (
-        LlamaConfig,
+        "llama",
         dict(  # meta-llama/Meta-Llama-3-70B: for planning with predict (80 layers; nothing this size is built here)
             hidden_size=8192,
             intermediate_size=28672,
@@ -137,7 +127,7 @@ DECODERS: dict[str, tuple[type, dict]] = {
     # Today's attention layouts. Unlisted values are the config class's defaults in transformers 5.24, which
     # are these checkpoints' own except where a value is given here.
     "mistral-7b-v0.1": (
-        MistralConfig,
+        "mistral",
         dict(  # mistralai/Mistral-7B-v0.1 as released: every layer slides, window 4096
             hidden_size=4096,
             intermediate_size=14336,
@@ -151,7 +141,7 @@ DECODERS: dict[str, tuple[type, dict]] = {
         ),
     ),
     "gemma-3-4b": (
-        Gemma3TextConfig,
+        "gemma3_text",
         dict(  # google/gemma-3-4b-it's text_config: 5 sliding layers, then 1 full
             hidden_size=2560,
             intermediate_size=10240,
@@ -165,7 +155,7 @@ DECODERS: dict[str, tuple[type, dict]] = {
         ),
     ),
     "gpt-oss-20b": (
-        GptOssConfig,
+        "gpt_oss",
         dict(  # openai/gpt-oss-20b: sliding (128) and full layers alternate; 32 experts
             hidden_size=2880,
             intermediate_size=2880,
@@ -180,7 +170,7 @@ DECODERS: dict[str, tuple[type, dict]] = {
         ),
     ),
     "qwen3-8b": (
-        Qwen3Config,
+        "qwen3",
         dict(  # Qwen/Qwen3-8B: full attention in every layer
             hidden_size=4096,
             intermediate_size=12288,
@@ -210,12 +200,12 @@ TWIN_WIDTHS = ("hidden_size", "intermediate_size", "vocab_size", "head_dim")
 TWIN_EXCEPTIONS = {"gpt-oss-20b": dict(hidden_size=96, intermediate_size=96)}
 
 
-def _twin(name: str) -> tuple[type, dict]:
-    config_class, values = DECODERS[name]
+def _twin(name: str) -> tuple[str, dict]:
+    model_type, values = DECODERS[name]
     widths = [key for key in TWIN_WIDTHS if key in values and key not in TWIN_EXCEPTIONS.get(name, {})]
     for key in widths:
         assert values[key] % TWIN_SCALE == 0, f"{name}: {key} is not a multiple of {TWIN_SCALE}"
-    return config_class, {
+    return model_type, {
         **values,
         **{key: values[key] // TWIN_SCALE for key in widths},
         **TWIN_EXCEPTIONS.get(name, {}),
@@ -245,9 +235,9 @@ DECODERS["gemma-3-4b-twin"][1]["query_pre_attn_scalar"] = 1
 
 # T5Config() and WhisperConfig() default to google-t5/t5-small and openai/whisper-tiny; BartConfig() to
 # bart-large's widths. Their start and pad tokens are the checkpoints' own.
-ENCODER_DECODERS: dict[str, tuple[type, dict]] = {
+ENCODER_DECODERS: dict[str, tuple[str, dict]] = {
     "t5-small": (
-        T5Config,
+        "t5",
         dict(  # google-t5/t5-small
             d_model=512,
             d_kv=64,
@@ -263,7 +253,7 @@ ENCODER_DECODERS: dict[str, tuple[type, dict]] = {
         ),
     ),
     "whisper-tiny": (
-        WhisperConfig,
+        "whisper",
         dict(  # openai/whisper-tiny
             d_model=384,
             encoder_layers=4,
@@ -281,7 +271,7 @@ ENCODER_DECODERS: dict[str, tuple[type, dict]] = {
         ),
     ),
     "bart-base": (
-        BartConfig,
+        "bart",
         dict(  # facebook/bart-base
             d_model=768,
             encoder_layers=6,

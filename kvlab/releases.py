@@ -130,8 +130,8 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
     once, and each point still builds its own model and prompt."""
     # Here, not above: the worker's process imports this module under old releases, which these need not load.
     from .configs import load_config, parse_overrides
-    from .loops import check_choice
     from .models import attention_of, final_kv_bytes, parse_dtype, resolve_device
+    from .schema import check_choice
     from .weights import REAL_WEIGHTS, state_file
 
     # input_ids: the prompt's rows (lists of ids) instead of the seeded random prompt, e.g. kvlab.text's chat prompt.

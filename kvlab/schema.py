@@ -71,6 +71,8 @@ DEFAULTS = dict(
     timing=True,
     force=False,
 )
+# `kvlab explain`'s point: small, as it runs twice on the CPU (kvlab.explain.explain_point's defaults).
+EXPLAIN_DEFAULTS = dict(preset="toy", batch=2, prompt=16, new=8, dtype="float32", cache="tuple", loop="v4.40", seed=0)
 # A design point's keys: what kvlab.theory and the planner predict from, the point's parameters but the model
 # (preset, overrides), whose code runs it (kind) and how the run is done (seed, meter, timing, force).
 POINT_KEYS = tuple(
@@ -120,6 +122,11 @@ RECORD_FIELDS = (
     "git_commit",
     "measured_at",
 )
+
+
+def check_choice(kind: str, value: str, choices) -> None:
+    if value not in choices:
+        raise ValueError(f"unknown {kind} {value!r}; choose one of: {', '.join(choices)}")
 
 
 def is_true(value) -> bool:

@@ -13,7 +13,7 @@ from transformers import EncoderDecoderCache, StaticCache
 from transformers.cache_utils import Cache, StaticLayer
 
 from ..compat import cache_argument
-from ..loops import check_choice
+from ..schema import check_choice
 from . import Request, decoder_shape, is_whisper, make_request
 
 

@@ -14,9 +14,9 @@ import weakref
 import torch
 
 from ..compat import cache_from_outputs
-from ..loops import check_choice
 from ..meter import MemoryMeter
 from ..models import kv_bytes_per_token
+from ..schema import check_choice
 from . import decoder_shape, decoder_step, generate, generate_reference
 from .reusable_cache import ReusableStaticCache
 

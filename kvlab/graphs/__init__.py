@@ -19,7 +19,8 @@ from transformers.utils import logging as hf_logging
 
 from ..caches import TupleCache, num_layers
 from ..compat import cache_argument
-from ..loops import Generation, check_choice, generate
+from ..loops import Generation, generate
+from ..schema import check_choice
 from ..timing import interleaved
 from .conversion import to_cache, to_tuples
 

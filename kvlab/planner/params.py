@@ -7,12 +7,10 @@ import numbers
 
 import torch
 
-from ..caches import CACHES, check_layers
-from ..configs import check_decoder, load_config, parse_overrides
-from ..graphs import RUNTIMES, check_runtime
-from ..loops import LOOPS, STRATEGIES, check_choice
+from ..configs import check_decoder, parse_overrides
 from ..models import check_device, parse_dtype, resolve_device
-from ..schema import DEFAULTS, KINDS, REFERENCES, RESTART_FROM, is_true
+from ..schema import CACHES, DEFAULTS, KINDS, LOOPS, REFERENCES, RESTART_FROM, STRATEGIES, check_choice, is_true
+from .plain import PlainConfig, config_for
 
 # The least and the most of each size, and why the most: past these no question kvlab answers is real, and the
 # walks over every decoding step (kvlab.theory, the meta dry run, the loop) would run for minutes or exhaust memory.
@@ -96,8 +94,10 @@ def normalize(**params) -> dict:
                 "a reference point runs a release's own generate(), which the meta device cannot; "
                 "choose one of: cpu, cuda, auto"
             )
-    check_choice("runtime", p["runtime"], RUNTIMES)
     if p["runtime"] != "eager":  # a graph runtime (kvlab.graphs) carries one cache design: the default if none given
+        from ..graphs import RUNTIMES, check_runtime  # (it imports transformers: only for a graph runtime)
+
+        check_choice("runtime", p["runtime"], RUNTIMES)
         if params.get("cache") is None:
             p["cache"] = RUNTIMES[p["runtime"]][0]
         check_runtime(p["runtime"], p["cache"], p["loop"], p["strategy"])
@@ -115,10 +115,13 @@ def normalize(**params) -> dict:
     parse_dtype(p["dtype"])
     if isinstance(p["overrides"], (list, tuple, dict)):
         p["overrides"] = ",".join(f"{k}={v}" for k, v in parse_overrides(p["overrides"]).items())
-    config = load_config(p["preset"], p["overrides"])  # raises on a bad preset, key or size, or a hub id not to be had
-    check_decoder(config, p["preset"])
-    if p["kind"] == "kvlab":
-        check_layers(config, p["cache"])
+    config = config_for(p["preset"], p["overrides"])  # raises on a bad preset, key or size, or a hub id not to be had
+    if not isinstance(config, PlainConfig):  # (a PlainConfig is a decoder whose every layer is attention)
+        from ..caches import check_layers
+
+        check_decoder(config, p["preset"])
+        if p["kind"] == "kvlab":
+            check_layers(config, p["cache"])
     if p["track_storages"] == "auto":
         p["track_storages"] = torch.device(p["device"]).type != "cuda"
     p["track_storages"] = is_true(p["track_storages"])

@@ -14,12 +14,10 @@ import re
 import torch
 
 from .. import theory
-from ..caches import check_layers
-from ..configs import is_hub_id, load_config
-from ..meter import weight_bytes
-from ..models import instantiate, parse_dtype
+from ..configs import is_hub_id
+from ..models import parse_dtype
 from ..schema import DESIGNS, POINT_KEYS, beams
-from .dry_run import ROUTING_BOUND, DryRun
+from . import plain
 from .meta import cpu_kernels, uncounted_workspace
 from .params import normalize
 
@@ -76,6 +74,9 @@ def format_bytes(n: int) -> str:
 
 @functools.lru_cache(maxsize=32)
 def _weights(config_class: type, config_json: str, dtype: str) -> int:
+    from ..meter import weight_bytes
+    from ..models import instantiate
+
     values = json.loads(config_json)  # an infinite float comes back as {"__float__": "Infinity"} (Mamba-2)
     config = config_class.from_dict(getattr(config_class, "_decode_special_floats", lambda v: v)(values))
     with torch.device("meta"):  # shapes only: a 7B model costs nothing to build here
@@ -83,7 +84,10 @@ def _weights(config_class: type, config_json: str, dtype: str) -> int:
 
 
 def model_weight_bytes(config, dtype: str) -> int:
-    """Bytes of the weights a model of this config and dtype holds (built on meta, cached)."""
+    """Bytes of the weights a model of this config and dtype holds: in closed form for kvlab.theory's families
+    (kvlab.planner.plain), else built on meta (cached)."""
+    if config.model_type in plain.FAMILIES:
+        return plain.weight_bytes(config, dtype)
     return _weights(type(config), config.to_json_string(use_diff=False), dtype)
 
 
@@ -168,13 +172,13 @@ def designs_for(cache: str | None, loop: str | None, p: dict) -> list[tuple[str,
 
 
 def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: bool, dry_run: bool) -> Prediction:
-    config = load_config(p["preset"], p["overrides"])
-    walk = Theory(config) if config.model_type in theory.MODELED and not dry_run else DryRun(p)
+    config = plain.config_for(p["preset"], p["overrides"])
+    walk = Theory(config) if config.model_type in theory.MODELED and not dry_run else _dry_run(p)
     weights = model_weight_bytes(config, p["dtype"])
     rows, refused = [], {}
     for cache, loop in designs:
         try:
-            check_layers(config, cache)
+            _check_layers(config, cache)
         except ValueError as why:  # a design this model cannot hold: named under the table, unless it was asked for
             if len(designs) == 1:
                 raise
@@ -219,6 +223,21 @@ def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: boo
         designs=rows,
         refused=refused,
     )
+
+
+def _dry_run(p: dict):
+    from .dry_run import DryRun  # it imports transformers' modelling code: only for a dry run
+
+    return DryRun(p)
+
+
+def _check_layers(config, cache: str) -> None:
+    """kvlab.caches.check_layers, but for a PlainConfig: every layer of its families is attention, which every
+    design holds."""
+    if not isinstance(config, plain.PlainConfig):
+        from ..caches import check_layers
+
+        check_layers(config, cache)
 
 
 class Theory:
@@ -304,10 +323,16 @@ def format_prediction(result: dict) -> str:
                 else []
             ),
             *([f"not counted: {r['uncounted']}"] if r.get("uncounted") else []),
-            *(["routing bounded: " + ROUTING_BOUND] if any("bound" in d for d in r["designs"]) else []),
+            *([f"routing bounded: {_routing_bound()}"] if any("bound" in d for d in r["designs"]) else []),
             *(f"{design}: {why}" for design, why in r.get("refused", {}).items()),
         ]
     )
+
+
+def _routing_bound() -> str:
+    from .dry_run import ROUTING_BOUND
+
+    return ROUTING_BOUND
 
 
 def check_fits(p: dict, model=None) -> None:
@@ -318,7 +343,7 @@ def check_fits(p: dict, model=None) -> None:
     if free is None:
         return
     try:
-        config = model.config if model is not None else load_config(p["preset"], p["overrides"])
+        config = model.config if model is not None else plain.config_for(p["preset"], p["overrides"])
     except ValueError:
         if is_hub_id(p["preset"]):  # no config to predict from; loading the model will say why
             return
