@@ -27,15 +27,16 @@ ROUTING_BOUND = (
 )
 
 
-def dry_run(model, batch: int, prompt: int, new: int, skip: bool = True, **options):
+def dry_run(model, batch: int, prompt: int, new: int, skip: bool = True, as_device=None, **options):
     """kvlab's loop (`generate(**options)`) on the meta device for a model built there: (the meter's report, the
     cache it ends with). `skip`: the forward only at the steps that can hold the peak of a cache design of
-    kvlab's (`peak_steps`); False, or a cache object of transformers' own to decode into: every step."""
+    kvlab's (`peak_steps`); False, or a cache object of transformers' own to decode into: every step.
+    `as_device`: the device the forward allocates as (kvlab.planner.meta; default `MetaAsCpu()`)."""
     ids = torch.empty((batch, prompt), dtype=torch.long, device="meta")
     cache = options.get("cache", "dynamic")
     if skip and isinstance(cache, str):
         options = dict(options, step_forward=skipping_forward(cache, new, options.get("cache_options") or {}))
-    with MetaAsCpu(), MemoryMeter("meta", model) as meter:
+    with as_device or MetaAsCpu(), MemoryMeter("meta", model) as meter:
         out = generate(model, ids, new, meter=meter, **options)
     return meter.report(), out.cache
 
@@ -132,12 +133,12 @@ def _storage_tokens(tensor: torch.Tensor) -> int:
 class DryRun:
     """predict's walk for every decoder kvlab.theory does not model: a dry run per design."""
 
-    def __init__(self, p: dict):
+    def __init__(self, p: dict, as_device=None):
         if p["restart_new"]:
             raise ValueError(
                 "predict's dry run decodes one call; measure a restart on the meta device (measure --device meta)"
             )
-        self.p = p
+        self.p, self.as_device = p, as_device or (lambda: MetaAsCpu())  # a fresh mode for every run
         self.model = build_model(p["preset"], p["overrides"], "meta", p["dtype"], p["seed"])
 
     def overhead(self, design: dict) -> int:
@@ -176,4 +177,5 @@ class DryRun:
             loop=d["loop"],
             strategy=strategy,
             cache_options=options,
+            as_device=self.as_device(),
         )
