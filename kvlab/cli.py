@@ -432,9 +432,9 @@ def _measure_arguments(measure: argparse.ArgumentParser) -> None:
 
 def _predict_arguments(predict: argparse.ArgumentParser) -> None:
     # The device planned for, whatever this machine has (kvlab.planner.params.target_device).
-    predict._option_string_actions["--device"].help = (
-        "the device to plan for, whatever this machine has: cuda (cuda:N), cpu or meta (default: cuda)"
-    )
+    predict._option_string_actions[
+        "--device"
+    ].help = "the device to plan for, whatever this machine has: cuda (cuda:N), cpu or meta (default: cuda)"
     predict.add_argument(
         "--threads",
         type=int,

@@ -391,7 +391,11 @@ def cuda_notes(r: dict) -> list[str]:
     if not r.get("cuda_context_bytes"):
         return []
     gib = lambda n: f"{n / GIB:.3f}"  # noqa: E731
-    reserved = [f"{d['cache']}/{d['loop']} {gib(d['reserved_estimate_bytes'])}" for d in r["designs"]]
+    reserved = [
+        f"{d['cache']}/{d['loop']} {gib(d['reserved_estimate_bytes'])}"
+        for d in r["designs"]
+        if "reserved_estimate_bytes" in d
+    ]  # kvlab.theory's walk gives it, a dry run does not
     return [
         f"CUDA context: {gib(r['cuda_context_bytes'])} GiB outside the caching allocator (measured on one H100; "
         "approximate: a few hundred MiB, by driver, CUDA version and GPU), counted in 'fits' beside the peak",
