@@ -38,7 +38,7 @@ ARCHES = tuple(CUBLAS_WORKSPACE)
 
 # The CUDA context (driver state, kernels' modules, cuBLAS's handle): device memory the caching allocator never
 # sees, so no allocator statistic shows it. Measured as total - free - reserved after one matrix product on one
-# H100 (driver 580, CUDA 13.0, torch 2.11: data/design/h100.json); it depends on the driver, the CUDA version, the
+# H100 (CUDA 13.0, torch 2.11: data/design/h100.json); it depends on the driver, the CUDA version, the
 # architecture and the libraries loaded: a few hundred MiB, approximate.
 CUDA_CONTEXT = 718_077_952
 

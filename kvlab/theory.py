@@ -639,34 +639,54 @@ def peak_phases(config, threads: int | None = None, arch: str = "hopper", **poin
         if device == "cuda":
             terms = _on_cuda(terms, arch, matrix_products_ran=True)
         return sum(terms.values()), where, terms, final_kv_bytes(config, s.rows, prompt + new, dtype), held
-    r = Run(
-        s,
-        LOOPS[loop],
+    r = _run(config, p, threads, arch)
+    walk, best = CacheWalk(r), (-1, None, None)
+    for step, name, terms in _walk_phases(r, walk):
+        total = sum(terms.values())
+        if total > best[0]:
+            best = (total, f"step {step.index} ({'restart ' if step.call else ''}{name})", terms)
+    return best[0], best[1], best[2], final_kv_bytes(config, s.rows, r.max_len, dtype), walk.held_tokens()
+
+
+def _run(config, p: dict, threads: int | None, arch: str) -> Run:
+    """The `Run` of a design point (every key given: `design_point`)."""
+    return Run(
+        Shape(config, p["batch"], p["dtype"], p["strategy"], p["num_beams"]),
+        LOOPS[p["loop"]],
         sliding_windows(config),
-        cache=cache,
-        strategy=strategy,
-        runtime=runtime,
+        cache=p["cache"],
+        strategy=p["strategy"],
+        runtime=p["runtime"],
         restart_from=p["restart_from"],
-        prompt=prompt,
-        new=new,
+        prompt=p["prompt"],
+        new=p["new"],
         restart_new=p["restart_new"],
         chunk_limit=p["chunk_limit"],
         block_tokens=p["block_tokens"],
-        device=device,
+        device=str(p["device"]).split(":")[0],  # cuda:1 -> cuda
         threads=threads,
         arch=arch,
     )
-    walk, best = CacheWalk(r), (-1, None, None)
+
+
+def _walk_phases(r: Run, walk: CacheWalk):
+    """(step, phase, its terms with what lives through the step) for every phase of every step, in order."""
     for step in walk.steps():
         held = _held_through_the_step(r, step)
         for name, terms in _phases(r, walk, step).items():
             terms = {**held, **_previous_locals(r, step, name), **terms}
-            if device == "cuda":  # the first forward's mask is built before its first matrix product
-                terms = _on_cuda(terms, arch, matrix_products_ran=step.index > 0 or name != "mask")
-            total = sum(terms.values())
-            if total > best[0]:
-                best = (total, f"step {step.index} ({'restart ' if step.call else ''}{name})", terms)
-    return best[0], best[1], best[2], final_kv_bytes(config, s.rows, r.max_len, dtype), walk.held_tokens()
+            if r.device == "cuda":  # the first forward's mask is built before its first matrix product
+                terms = _on_cuda(terms, r.arch, matrix_products_ran=step.index > 0 or name != "mask")
+            yield step, name, terms
+
+
+def phase_terms(config, step: int, phase: str, threads: int | None = None, arch: str = "hopper", **point) -> dict:
+    """The terms of one phase of one step (`peak_phases` keeps the largest), e.g. a long prompt's attention."""
+    r = _run(config, design_point(point), threads, arch)
+    for at, name, terms in _walk_phases(r, CacheWalk(r)):
+        if at.index == step and name == phase:
+            return terms
+    raise ValueError(f"step {step} has no phase {phase!r} at this point")
 
 
 CUBLAS_TERM = "cuBLAS workspace (the process's first matrix product allocates it)"
