@@ -300,7 +300,8 @@ def format_prediction(result: dict) -> str:
     name = f"{r['preset']} ({r['overrides']})" if r["overrides"] else r["preset"]
     beams = f", {r['num_beams']} beams" if r["strategy"] == "beam" else ""
     restart = f" + {r['restart_new']} after a restart" if r["restart_new"] else ""
-    fits = [f"fits in {gib(memory)} GiB"] if memory is not None else []
+    context = " with the CUDA context" if r.get("cuda_context_bytes") else ""
+    fits = [f"fits in {gib(memory)} GiB{context}"] if memory is not None else []
     first = r["designs"][0] if r["designs"] else {}
     inverse = [name for key, name in (("max_batch", "max batch"), ("max_new", "max new")) if key in first]
     table = [
