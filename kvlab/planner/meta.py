@@ -156,10 +156,9 @@ class MetaAsCuda(MetaAsCpu):
         inside = sdpa_terms(
             backend,
             *(query.shape[0], query.shape[1], query.shape[2], key.shape[2], query.shape[3], query.element_size()),
-            mask.numel() if mask is not None else 0,
+            mask.numel() if mask is not None and mask.dtype == torch.bool else 0,  # a float mask is used as given
         )
-        scratch = [torch.empty(sum(inside.values()), dtype=torch.uint8, device="meta")]  # freed as SDPA returns
-        del scratch
+        torch.empty(sum(inside.values()), dtype=torch.uint8, device="meta")  # alive inside SDPA only: the meter's spike
         return out
 
 

@@ -167,7 +167,7 @@ def predict(
     named = point.get("device") not in (None, "", "auto")
     p = normalize(target=True, preset=preset, cache=cache, loop=loop, **point)
     target = Target(p["device"], named, target_threads(threads, p["device"]), target_arch(arch, p["device"]))
-    target.threads_given = threads is not None
+    target.threads_given = threads is not None  # else this machine's (target_threads), which the output says
     return _predict(p, designs_for(cache, loop, p), memory, max_batch, max_new, dry_run, target)
 
 
@@ -402,7 +402,7 @@ def cuda_notes(r: dict) -> list[str]:
         "approximate: a few hundred MiB, by driver, CUDA version and GPU), counted in 'fits' beside the peak",
         *(
             [f"reserved by the caching allocator at the peak, GiB (an estimate, a floor): {', '.join(reserved)}"]
-            if all("reserved_estimate_bytes" in d for d in r["designs"]) and reserved
+            if reserved
             else []
         ),
     ]
