@@ -126,6 +126,8 @@ def cmd_predict(args) -> None:
         max_batch=args.max_batch,
         max_new=args.max_new,
         dry_run=args.dry_run,
+        threads=args.threads,
+        arch=args.gpu_arch,
     )
     print(json.dumps(result, indent=2) if args.json else result)
 
@@ -421,6 +423,24 @@ def _measure_arguments(measure: argparse.ArgumentParser) -> None:
 
 
 def _predict_arguments(predict: argparse.ArgumentParser) -> None:
+    # The device planned for, whatever this machine has (kvlab.planner.params.target_device).
+    predict._option_string_actions[
+        "--device"
+    ].help = "the device to plan for, whatever this machine has: cuda (cuda:N), cpu or meta (default: cuda)"
+    predict.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="with --device cpu: the CPU's torch threads (its flash attention's scratch is per thread) "
+        "(default: this machine's)",
+    )
+    predict.add_argument(
+        "--gpu-arch",
+        default=None,
+        help="with --device cuda: hopper (compute capability 9.0: H100, H200; cuBLAS's workspace is 32 MiB and SDPA "
+        "runs cuDNN's kernel) or other (8 MiB; flash) (default: hopper)",
+    )
     predict.add_argument(
         "--memory",
         default=None,

@@ -125,13 +125,14 @@ def window_tokens(window: int | None, tokens: int, fed: int = 0) -> int:
     return tokens if window is None else min(tokens - fed, window - 1) + fed
 
 
-def flash_scratch_bytes(q_len: int, kv_len: int, head_size: int, reduced: bool) -> int:
+def flash_scratch_bytes(q_len: int, kv_len: int, head_size: int, reduced: bool, threads: int | None = None) -> int:
     """The scratch CPU flash attention allocates inside its kernel and frees before it returns, which no op
     output shows: per torch thread, one query block's scores against one key block, their row maxima and sums and an
     output block (fp32), plus the scores in the input dtype when that is bf16/fp16 (`reduced`) (ATen's
     `cpu_flash_attention`: query blocks of 32, 64 or 256 rows by length, key blocks of 512; checked against
-    PyTorch's profiler). A CPU that packs bf16 keys for its matrix units (AMX) allocates more than this."""
+    PyTorch's profiler). A CPU that packs bf16 keys for its matrix units (AMX) allocates more than this. `threads`:
+    the torch threads of the process that runs it (default: this process's)."""
     q_split = min(256 if q_len >= 768 else 64 if q_len >= 192 else 32, q_len)
     kv_split = min(512, kv_len)
     per_thread = (q_split * kv_split + 2 * q_split + q_split * head_size) * 4 + reduced * q_split * kv_split * 2
-    return torch.get_num_threads() * per_thread  # one block per thread of this process
+    return (threads or torch.get_num_threads()) * per_thread  # one block per thread

@@ -30,6 +30,7 @@ from .counts import (
     sliding_windows,
     window_tokens,
 )
+from .cuda_memory import block, cublas_workspace, reserved_estimate, sdpa_backend, sdpa_terms
 from .schema import DEFAULTS, LOOPS, POINT_KEYS, Release
 
 INT64 = 8
@@ -147,8 +148,11 @@ class Run:
         chunk_limit: int,
         block_tokens: int,
         device: str = "cpu",
+        threads: int | None = None,
+        arch: str = "hopper",
     ):
         self.s, self.release, self.windows, self.device = s, release, windows, device
+        self.threads, self.arch = threads, arch  # a CPU's torch threads (flash's scratch), a GPU's architecture
         self.cache, self.strategy, self.runtime, self.restart_from = cache, strategy, runtime, restart_from
         self.prompt, self.new, self.restart_new = prompt, new, restart_new
         self.chunk_limit, self.block_tokens = chunk_limit, block_tokens
@@ -383,8 +387,7 @@ def _attention_phase(r: Run, step: Step) -> dict:
             2 * r.groups * s.t * step.keys if copies else 0
         )
         terms["attention output"] = s.rows * fed * s.heads * s.head_dim * s.e
-        if r.device == "cpu":
-            terms.update(_cpu_flash_attention(r, step, masked))
+        terms.update(_inside_sdpa(r, step, masked, grouped=r.groups > 1 and not copies))
     else:
         terms["eager attention: scores, with the sinks, shifted, and their maxima"] = _one_keys_scores(s, fed) * (
             3 * step.keys + 3
@@ -400,22 +403,36 @@ def _output_projection_phase(r: Run, step: Step) -> dict | None:
     attention function, before the projection)."""
     if r.release.major != 4 or r.s.eager or r.groups == 1:
         return None
-    inside_sdpa = _cpu_flash_attention(r, step, masked=False)
+    inside_sdpa = _inside_sdpa(r, step, masked=False, grouped=False)
     terms = {name: value for name, value in _attention_phase(r, step).items() if name not in inside_sdpa}
     return {**terms, "output projection": r.s.rows * step.fed * r.s.hidden * r.s.e}
+
+
+def _inside_sdpa(r: Run, step: Step, masked: bool, grouped: bool) -> dict:
+    """What the SDPA call allocates inside, beside its output, on the device the point runs on: a CPU's flash kernel
+    (`_cpu_flash_attention`), the kernel CUDA picks (kvlab.cuda_memory.sdpa_terms), nothing on meta (one op)."""
+    if r.device == "cpu":
+        return _cpu_flash_attention(r, step, masked)
+    if r.device != "cuda":
+        return {}
+    s = r.s
+    backend = sdpa_backend(r.arch, s.e, s.head_dim, masked, grouped)
+    mask = r.mask_rows * step.fed * step.keys if masked else 0  # the bool mask's elements: (rows, 1, fed, keys)
+    return sdpa_terms(backend, s.rows, s.heads, step.fed, step.keys, s.head_dim, s.e, mask)
 
 
 def _cpu_flash_attention(r: Run, step: Step, masked: bool) -> dict:
     """What SDPA allocates inside on CPU, where it runs the flash kernel (grouped-query or not): a float copy of the
     bool mask it is given, its logsumexp (fp32 per row, head and query) and the scratch the kernel frees before it
-    returns (`kvlab.counts.flash_scratch_bytes`: a block of scores per thread, for this process's torch threads, so a
-    prediction on CPU depends on them). Not modelled: CUDA's fused kernels' own transients; the meta device runs
-    SDPA as one op (`kvlab.loops`)."""
+    returns (`kvlab.counts.flash_scratch_bytes`: a block of scores per thread, for the point's `threads`, by default
+    this process's torch threads)."""
     s, fed = r.s, step.fed
     return {
         "SDPA: float copy of the mask": s.rows * fed * step.keys * s.e if masked else 0,
         "SDPA: logsumexp (fp32)": s.rows * s.heads * fed * FP32,
-        "SDPA: flash kernel's scratch, a block per thread": flash_scratch_bytes(fed, step.keys, s.head_dim, s.e == 2),
+        "SDPA: flash kernel's scratch, a block per thread": flash_scratch_bytes(
+            fed, step.keys, s.head_dim, s.e == 2, r.threads
+        ),
     }
 
 
@@ -602,7 +619,7 @@ def _previous_locals(r: Run, step: Step, phase: str) -> dict:
     return terms
 
 
-def peak_phases(config, **point):
+def peak_phases(config, threads: int | None = None, arch: str = "hopper", **point):
     """Every phase's bytes above the weights; returns (peak, the phase that makes it, its terms, final KV, tokens
     each layer's storage holds at the end).
 
@@ -611,7 +628,9 @@ def peak_phases(config, **point):
     caller holds while the copied cache object grows; export has phases of its own (`_exported_peak`).
     `restart_from="tuples"`: the second call's cache object starts from the first call's tensors, which the
     caller's tuples keep alive for the whole call.
-    `device`: where the point runs; on CPU the attention phase holds what SDPA's flash kernel allocates inside.
+    `device`: where the point runs; on CPU the attention phase holds what SDPA's flash kernel allocates inside (a
+    block per thread: `threads`, by default this process's torch threads); on CUDA what the kernel SDPA picks on a
+    GPU of `arch` allocates, every term a block of the caching allocator and cuBLAS's workspace (`_on_cuda`).
     `point`: the keys of kvlab.schema.POINT_KEYS, each defaulting to kvlab.schema.DEFAULTS' (device: cpu).
     """
     p = design_point(point)
@@ -619,33 +638,73 @@ def peak_phases(config, **point):
         p[key] for key in ("cache", "loop", "strategy", "runtime", "prompt", "new", "dtype")
     )
     s = Shape(config, p["batch"], dtype, strategy, p["num_beams"])
+    device = str(p["device"]).split(":")[0]  # cuda:1 -> cuda
     if runtime == "export":
         peak, where, terms, held = _exported_peak(s, prompt, new)
-        return peak, where, terms, final_kv_bytes(config, s.rows, prompt + new, dtype), held
-    r = Run(
-        s,
-        LOOPS[loop],
+        if device == "cuda":
+            terms = _on_cuda(terms, arch, matrix_products_ran=True)
+        return sum(terms.values()), where, terms, final_kv_bytes(config, s.rows, prompt + new, dtype), held
+    r = _run(config, p, threads, arch)
+    walk, best = CacheWalk(r), (-1, None, None)
+    for step, name, terms in _walk_phases(r, walk):
+        total = sum(terms.values())
+        if total > best[0]:
+            best = (total, f"step {step.index} ({'restart ' if step.call else ''}{name})", terms)
+    return best[0], best[1], best[2], final_kv_bytes(config, s.rows, r.max_len, dtype), walk.held_tokens()
+
+
+def _run(config, p: dict, threads: int | None, arch: str) -> Run:
+    """The `Run` of a design point (every key given: `design_point`)."""
+    return Run(
+        Shape(config, p["batch"], p["dtype"], p["strategy"], p["num_beams"]),
+        LOOPS[p["loop"]],
         sliding_windows(config),
-        cache=cache,
-        strategy=strategy,
-        runtime=runtime,
+        cache=p["cache"],
+        strategy=p["strategy"],
+        runtime=p["runtime"],
         restart_from=p["restart_from"],
-        prompt=prompt,
-        new=new,
+        prompt=p["prompt"],
+        new=p["new"],
         restart_new=p["restart_new"],
         chunk_limit=p["chunk_limit"],
         block_tokens=p["block_tokens"],
         device=str(p["device"]).split(":")[0],  # cuda:1 -> cuda
+        threads=threads,
+        arch=arch,
     )
-    walk, best = CacheWalk(r), (-1, None, None)
+
+
+def _walk_phases(r: Run, walk: CacheWalk):
+    """(step, phase, its terms with what lives through the step) for every phase of every step, in order."""
     for step in walk.steps():
         held = _held_through_the_step(r, step)
         for name, terms in _phases(r, walk, step).items():
             terms = {**held, **_previous_locals(r, step, name), **terms}
-            total = sum(terms.values())
-            if total > best[0]:
-                best = (total, f"step {step.index} ({'restart ' if step.call else ''}{name})", terms)
-    return best[0], best[1], best[2], final_kv_bytes(config, s.rows, r.max_len, dtype), walk.held_tokens()
+            if r.device == "cuda":  # the first forward's mask is built before its first matrix product
+                terms = _on_cuda(terms, r.arch, matrix_products_ran=step.index > 0 or name != "mask")
+            yield step, name, terms
+
+
+def phase_terms(config, step: int, phase: str, threads: int | None = None, arch: str = "hopper", **point) -> dict:
+    """The terms of one phase of one step (`peak_phases` keeps the largest), e.g. a long prompt's attention."""
+    r = _run(config, design_point(point), threads, arch)
+    for at, name, terms in _walk_phases(r, CacheWalk(r)):
+        if at.index == step and name == phase:
+            return terms
+    raise ValueError(f"step {step} has no phase {phase!r} at this point")
+
+
+CUBLAS_TERM = "cuBLAS workspace (the process's first matrix product allocates it)"
+
+
+def _on_cuda(terms: dict, arch: str, matrix_products_ran: bool) -> dict:
+    """A phase's terms as the CUDA caching allocator counts them: each a block rounded up to 512 bytes (a term that
+    sums several tensors is rounded once: at most 511 bytes per tensor under the allocator's count), and cuBLAS's
+    workspace once the first matrix product has run (kvlab.cuda_memory)."""
+    terms = {name: block(int(value)) for name, value in terms.items()}
+    if matrix_products_ran:
+        terms[CUBLAS_TERM] = cublas_workspace(arch)
+    return terms
 
 
 def _exported_peak(s: Shape, prompt: int, new: int):
@@ -688,9 +747,9 @@ def design_point(point: dict) -> dict:
     return {**{key: DEFAULTS[key] for key in POINT_KEYS}, "device": "cpu", **point}
 
 
-def predict_overhead(config, **point) -> int:
+def predict_overhead(config, threads: int | None = None, arch: str = "hopper", **point) -> int:
     """The predicted peak bytes above the weights for one point (see `peak_phases`)."""
-    return int(peak_phases(config, **point)[0])
+    return int(peak_phases(config, threads, arch, **point)[0])
 
 
 def tokens_per_layer(held: list) -> str:
@@ -698,11 +757,14 @@ def tokens_per_layer(held: list) -> str:
     return " + ".join(f"{length} x {held.count(length)}" for length in sorted(set(held)))
 
 
-def breakdown(config, **point) -> dict:
-    """The peak, where it happens and the terms that make it, for printing."""
-    total, where, terms, kv_final, held = peak_phases(config, **point)
+def breakdown(config, threads: int | None = None, arch: str = "hopper", **point) -> dict:
+    """The peak, where it happens and the terms that make it, for printing; on CUDA also the bytes the allocator
+    reserves for the peak's blocks (kvlab.cuda_memory.reserved_estimate: an estimate, a floor)."""
+    total, where, terms, kv_final, held = peak_phases(config, threads, arch, **point)
+    cuda = str(design_point(point)["device"]).startswith("cuda")
     return {
         "predicted_overhead_bytes": int(total),
+        **({"reserved_estimate_bytes": reserved_estimate([v for v in terms.values() if v])} if cuda else {}),
         "kv_final_bytes": kv_final,
         "cache_tokens_per_layer": tokens_per_layer(held),
         "overhead_over_kv": round(total / kv_final, 4),

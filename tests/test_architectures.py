@@ -164,7 +164,7 @@ def test_kvlab_measures_what_transformers_generate_holds(folders, strategy):
         ours = run_point(model, preset=folder, strategy=strategy, timing=False, **POINT)
         assert ours["overhead_bytes"] == pytest.approx(reference["overhead_bytes"], rel=0.01), model_type
         # ...and predict, before anything is allocated (kvlab.theory, or a dry run on meta for the other types)
-        (row,) = predict(folder, cache="dynamic", loop="v5", strategy=strategy, **POINT)["designs"]
+        (row,) = predict(folder, cache="dynamic", loop="v5", strategy=strategy, device="cpu", **POINT)["designs"]
         assert row["predicted_overhead_bytes"] == pytest.approx(reference["overhead_bytes"], rel=0.01), model_type
         # The same seeded prompt as both runs: the same tokens (beam search: the best beam, every row's first)
         prompt = random_prompt(model.config.vocab_size, POINT["batch"], POINT["prompt"], DEFAULTS["seed"])
@@ -185,7 +185,7 @@ def test_in_bf16_too_under_the_allocator(folders, strategy):
         ours = run_point(preset=folder, timing=False, **point)
         if abs(ours["overhead_bytes"] / reference["overhead_bytes"] - 1) > 0.01:
             wrong.append(f"{model_type}: measured {ours['overhead_bytes']}, generate() {reference['overhead_bytes']}")
-        prediction = predict(folder, cache="dynamic", loop="v5", **point)
+        prediction = predict(folder, cache="dynamic", loop="v5", device="cpu", **point)
         uncounted = prediction["uncounted"]
         truth = "storages_peak_bytes" if uncounted else "overhead_bytes"
         predicted = prediction["designs"][0]["predicted_overhead_bytes"]

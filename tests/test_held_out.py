@@ -83,7 +83,7 @@ def test_kvlab_measures_and_predicts_what_generate_holds(folders, dtype, strateg
         # predict counts what the allocator holds (casts inside elementwise kernels and SDPA's scratch included),
         # but for a workspace that oneDNN allocates inside bf16 matrix products on some CPUs (AVX-512, AMX), which
         # it names: there it is held against the tensors and the scratch it counts (the counter's peak).
-        prediction = predict(folder, cache="dynamic", loop="v5", **point)
+        prediction = predict(folder, cache="dynamic", loop="v5", device="cpu", **point)
         (row,) = prediction["designs"]
         truth = "storages_peak_bytes" if prediction["uncounted"] else "overhead_bytes"
         if abs(row["predicted_overhead_bytes"] / ours[truth] - 1) > 0.01:

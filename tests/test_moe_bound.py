@@ -47,7 +47,7 @@ def write_config(folder, model_type: str, values: dict):
 def test_the_bound_is_named_and_never_below_generate(tmp_path, model_type, dtype):
     preset = write_config(tmp_path, model_type, MOES[model_type])
     point = dict(batch=2, prompt=64, new=6, dtype=dtype)
-    prediction = predict(preset, cache="dynamic", loop="v5", **point)
+    prediction = predict(preset, cache="dynamic", loop="v5", device="cpu", **point)
     (row,) = prediction["designs"]
     assert row["bound"] == ROUTING_BOUND and "routing bounded" in str(prediction)
     real = measure_references("installed", [dict(preset=preset, seed=seed, **point) for seed in SEEDS])
@@ -63,5 +63,5 @@ def test_the_bound_is_named_and_never_below_generate(tmp_path, model_type, dtype
 def test_a_model_without_routing_is_not_bounded(tmp_path):
     """A dense model's dry run is exact, not a bound (its questions of values are about masks, not experts)."""
     preset = write_config(tmp_path, "olmo", SIZES)
-    prediction = predict(preset, cache="dynamic", loop="v5", batch=2, prompt=16, new=3)
+    prediction = predict(preset, cache="dynamic", loop="v5", batch=2, prompt=16, new=3, device="cpu")
     assert "bound" not in prediction["designs"][0] and "routing bounded" not in str(prediction)

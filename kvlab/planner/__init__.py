@@ -1,8 +1,10 @@
 """The planner: the peak of a `generate()` call before it runs, above the lesson's modules and below the lab, the
 savers and the command line.
 
-    params   a point's parameters checked in one place, defaults filled (`normalize`)
-    meta     the CPU on the meta device (`MetaAsCpu`), and the CPU's kernel library a prediction names
+    params   a point's parameters checked in one place, defaults filled (`normalize`); the device a prediction
+             plans for, whatever this machine has (`target_device`, `target_threads`, `target_arch`)
+    meta     the CPU or a CUDA GPU on the meta device (`MetaAsCpu`, `MetaAsCuda`), and the CPU's kernel library a
+             prediction names
     dry_run  kvlab's loop on meta, the forward only at the steps that can hold the peak (`dry_run`, `DryRun`)
     plan     `predict` (kvlab.theory's walk or a dry run per design, "does it fit", the largest batch and
              generation), `Prediction` and its table, `check_fits`

@@ -11,11 +11,12 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .. import theory
 from ..caches import KVCache, ListLayer, PreallocLayer, TupleCache, forward
+from ..cuda_memory import cublas_workspace
 from ..loops import decoding, generate
 from ..meter import MemoryMeter
 from ..models import build_model, final_kv_bytes
 from ..schema import DEFAULTS, beams, over_kv
-from .meta import MetaAsCpu
+from .meta import MetaAsCpu, meta_as
 
 # The output field that carries the cache back: renamed `cache` in 5.24 (kvlab.compat reads either).
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -27,15 +28,16 @@ ROUTING_BOUND = (
 )
 
 
-def dry_run(model, batch: int, prompt: int, new: int, skip: bool = True, **options):
+def dry_run(model, batch: int, prompt: int, new: int, skip: bool = True, as_device=None, **options):
     """kvlab's loop (`generate(**options)`) on the meta device for a model built there: (the meter's report, the
     cache it ends with). `skip`: the forward only at the steps that can hold the peak of a cache design of
-    kvlab's (`peak_steps`); False, or a cache object of transformers' own to decode into: every step."""
+    kvlab's (`peak_steps`); False, or a cache object of transformers' own to decode into: every step.
+    `as_device`: the device the forward allocates as (kvlab.planner.meta; default `MetaAsCpu()`)."""
     ids = torch.empty((batch, prompt), dtype=torch.long, device="meta")
     cache = options.get("cache", "dynamic")
     if skip and isinstance(cache, str):
         options = dict(options, step_forward=skipping_forward(cache, new, options.get("cache_options") or {}))
-    with MetaAsCpu(), MemoryMeter("meta", model) as meter:
+    with as_device or MetaAsCpu(), MemoryMeter("meta", model) as meter:
         out = generate(model, ids, new, meter=meter, **options)
     return meter.report(), out.cache
 
@@ -132,12 +134,12 @@ def _storage_tokens(tensor: torch.Tensor) -> int:
 class DryRun:
     """predict's walk for every decoder kvlab.theory does not model: a dry run per design."""
 
-    def __init__(self, p: dict):
+    def __init__(self, p: dict, as_device=None):
         if p["restart_new"]:
             raise ValueError(
                 "predict's dry run decodes one call; measure a restart on the meta device (measure --device meta)"
             )
-        self.p = p
+        self.p, self.as_device = p, as_device or (lambda: MetaAsCpu())  # a fresh mode for every run
         self.model = build_model(p["preset"], p["overrides"], "meta", p["dtype"], p["seed"])
 
     def overhead(self, design: dict) -> int:
@@ -176,4 +178,25 @@ class DryRun:
             loop=d["loop"],
             strategy=strategy,
             cache_options=options,
+            as_device=self.as_device(),
         )
+
+
+class TargetDryRun(DryRun):
+    """The dry run for the device planned for (kvlab.planner.meta.meta_as); on a CUDA GPU plus cuBLAS's workspace,
+    which the first matrix product allocates (kvlab.cuda_memory) and no meta forward shows."""
+
+    def __init__(self, p: dict, target):  # kvlab.planner.plan.Target: the device planned for
+        super().__init__(p, meta_as(target.device, target.threads, target.arch))
+        self.workspace = cublas_workspace(target.arch) if target.cuda else 0
+
+    def overhead(self, design: dict) -> int:
+        return super().overhead(design) + self.workspace
+
+    def breakdown(self, design: dict) -> dict:
+        row = super().breakdown(design)
+        if self.workspace:
+            row["predicted_overhead_bytes"] += self.workspace
+            row["terms_bytes"][theory.CUBLAS_TERM] = self.workspace
+            row["overhead_over_kv"] = over_kv(row["predicted_overhead_bytes"], row["kv_final_bytes"])
+        return row

@@ -1,5 +1,6 @@
 """The CPU on the meta device: a forward with shapes and no data that allocates what the same forward allocates on a
-CPU (`MetaAsCpu`), and the CPU's kernel library, whose workspace a prediction names when it cannot count it.
+CPU (`MetaAsCpu`) or on a CUDA GPU (`MetaAsCuda`), and the CPU's kernel library, whose workspace a prediction names
+when it cannot count it.
 The planner's dry run (kvlab.planner.dry_run) runs kvlab's loop under it; tests/test_dry_run.py holds it against
 CPU runs.
 """
@@ -14,6 +15,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
+from ..cuda_memory import sdpa_backend, sdpa_terms
 from ..meter import CPU_FLASH, CpuAllocator
 
 
@@ -41,9 +43,21 @@ class MetaAsCpu(TorchFunctionMode):
 
     bounded = 0  # answers bounded so far, in this process (a dry run reads it before and after)
 
-    def __init__(self):
+    def __init__(self, threads: int | None = None):
         super().__init__()
         self._routed: set[int] = set()  # ids of tensors made from a bounded answer, and from those, while they live
+        self.threads, self._threads_before = threads, None  # the CPU's torch threads (its flash scratch is per thread)
+
+    def __enter__(self):
+        if self.threads:  # the meter counts flash's scratch for torch's threads; meta computes nothing with them
+            self._threads_before = torch.get_num_threads()
+            torch.set_num_threads(self.threads)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        super().__exit__(*exc)
+        if self._threads_before:
+            torch.set_num_threads(self._threads_before)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -97,6 +111,10 @@ class MetaAsCpu(TorchFunctionMode):
             return torch.empty(shape, dtype=args[0].dtype, device="meta")
         if func is not torch.nn.functional.scaled_dot_product_attention or args[0].device.type != "meta":
             return func(*args, **kwargs)
+        return self._sdpa(func, args, kwargs)
+
+    def _sdpa(self, func, args, kwargs):
+        """SDPA as the CPU runs it: its flash kernel's op, or the math path's ops."""
         query, key, value = args[:3]
         if not _cpu_takes_flash(query, key, value, kwargs.get("enable_gqa", False)):  # the math path, as on CPU
             return func(*args, **kwargs)
@@ -113,6 +131,43 @@ class MetaAsCpu(TorchFunctionMode):
             attn_mask=mask,
             scale=kwargs.get("scale"),
         )[0]
+
+
+class MetaAsCuda(MetaAsCpu):
+    """A forward on the meta device that allocates what the same forward allocates on a CUDA GPU of `arch`
+    (kvlab.cuda_memory): MetaAsCpu's answers and bounds, but SDPA as CUDA runs it, the kernel chosen as
+    `sdpa_backend` chooses it, with no CPU flash scratch and no float mask where CUDA makes none: cuDNN's float copy
+    of a bool mask and its three small tensors, flash's logsumexp, nothing beside memory-efficient's output, and
+    the math path's ops (PyTorch's decomposition on meta). Not counted here: the allocator's 512-byte rounding and
+    cuBLAS's workspace (kvlab.planner.plan adds the workspace to a dry run's count)."""
+
+    def __init__(self, arch: str = "hopper"):
+        super().__init__()
+        self.arch = arch
+
+    def _sdpa(self, func, args, kwargs):
+        query, key, value = args[:3]
+        mask = kwargs.get("attn_mask", args[3] if len(args) > 3 else None)
+        grouped = bool(kwargs.get("enable_gqa", False)) and key.shape[-3] != query.shape[-3]
+        backend = sdpa_backend(self.arch, query.element_size(), query.shape[-1], mask is not None, grouped)
+        if backend == "math":
+            return func(*args, **kwargs)
+        out = torch.empty((*query.shape[:-1], value.shape[-1]), dtype=query.dtype, device="meta")
+        inside = sdpa_terms(
+            backend,
+            *(query.shape[0], query.shape[1], query.shape[2], key.shape[2], query.shape[3], query.element_size()),
+            mask.numel() if mask is not None and mask.dtype == torch.bool else 0,  # a float mask is used as given
+        )
+        torch.empty(sum(inside.values()), dtype=torch.uint8, device="meta")  # alive inside SDPA only: the meter's spike
+        return out
+
+
+def meta_as(device: str, threads: int | None = None, arch: str | None = None):
+    """What makes a dry run's mode for a prediction for `device` (a fresh one for every run): a CUDA GPU of `arch`,
+    else a CPU of `threads`."""
+    if torch.device(device).type == "cuda":
+        return lambda: MetaAsCuda(arch or "hopper")
+    return lambda: MetaAsCpu(threads)
 
 
 class DataDependent(ValueError):

@@ -8,6 +8,7 @@ import numbers
 import torch
 
 from ..configs import check_decoder, parse_overrides
+from ..cuda_memory import ARCHES
 from ..models import check_device, parse_dtype, resolve_device
 from ..schema import CACHES, DEFAULTS, KINDS, LOOPS, REFERENCES, RESTART_FROM, STRATEGIES, check_choice, is_true
 from .plain import PlainConfig, config_for
@@ -50,8 +51,51 @@ def check_sizes(p: dict) -> None:
         raise ValueError(f"new + restart_new must be at most {STEP_LIMIT:,}: {STEP_WHY}; got {steps:,}")
 
 
-def normalize(**params) -> dict:
-    """Fill defaults and check every choice and size, before anything is allocated."""
+TARGETS = ("cuda", "cpu", "meta")  # the devices a prediction plans for
+THREAD_LIMIT = 2**12  # torch threads of a CPU target: more cores than any one machine has
+
+
+def target_device(device) -> str:
+    """The device a prediction plans for, read from the name alone (no device is asked whether it exists): cuda
+    (cuda:N alike), cpu or meta; none named ("auto", the default) plans for cuda."""
+    if device in (None, "", "auto"):
+        return "cuda"
+    try:
+        kind = torch.device(device).type
+    except (RuntimeError, TypeError):
+        kind = None
+    if kind not in TARGETS:
+        raise ValueError(f"unknown device {device!r} to plan for; choose one of: {', '.join(TARGETS)}")
+    return str(device)
+
+
+def target_threads(threads, device: str) -> int | None:
+    """A CPU target's torch threads (its flash kernel's scratch is a block per thread): the number given, else this
+    machine's; None for another device, which takes none."""
+    if torch.device(device).type != "cpu":
+        if threads is not None:
+            raise ValueError(f"threads are a CPU's: the device planned for is {device}; give --device cpu with them")
+        return None
+    if threads is None:
+        return torch.get_num_threads()
+    return whole("threads", threads, 1, THREAD_LIMIT, "more than any one machine's cores")
+
+
+def target_arch(arch, device: str) -> str | None:
+    """A CUDA target's architecture (kvlab.cuda_memory.ARCHES: "hopper", compute capability 9.0, the default, or
+    "other"); None for another device, which takes none."""
+    if torch.device(device).type != "cuda":
+        if arch is not None:
+            raise ValueError(f"a GPU architecture is a CUDA target's: the device planned for is {device}")
+        return None
+    arch = "hopper" if arch is None else arch
+    check_choice("GPU architecture", arch, ARCHES)
+    return arch
+
+
+def normalize(target: bool = False, **params) -> dict:
+    """Fill defaults and check every choice and size, before anything is allocated. `target`: the device is the one
+    a prediction plans for (`target_device`), not one to run on here."""
     if unknown := set(params) - set(DEFAULTS):
         raise ValueError(f"unknown parameter(s) {', '.join(sorted(unknown))}; valid: {', '.join(DEFAULTS)}")
     p = {**DEFAULTS, **{k: v for k, v in params.items() if v is not None}}
@@ -105,8 +149,11 @@ def normalize(**params) -> dict:
             raise ValueError(
                 f"runtime {p['runtime']!r} measures kvlab's own decode (kind kvlab), on cpu or cuda, without a restart"
             )
-    p["device"] = resolve_device(p["device"])
-    check_device(p["device"])
+    if target:
+        p["device"] = target_device(params.get("device"))
+    else:
+        p["device"] = resolve_device(p["device"])
+        check_device(p["device"])
     if p["device"] == "meta" and p["cache"] == "static" and (p["strategy"] == "beam" or p["restart_new"]):
         raise ValueError(
             "on meta the static cache decodes greedy or sampled in one call: its beam reorder and a restart read "

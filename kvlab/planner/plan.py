@@ -15,11 +15,12 @@ import torch
 
 from .. import theory
 from ..configs import is_hub_id
+from ..cuda_memory import CUDA_CONTEXT
 from ..models import parse_dtype
 from ..schema import DESIGNS, POINT_KEYS, beams
 from . import plain
 from .meta import cpu_kernels, uncounted_workspace
-from .params import normalize
+from .params import normalize, target_arch, target_threads
 
 GIB = 2**30
 UNITS = {
@@ -143,6 +144,8 @@ def predict(
     dry_run: bool = False,
     cache: str | None = None,
     loop: str | None = None,
+    threads: int | None = None,
+    arch: str | None = None,
     **point,
 ) -> Prediction:
     """The predicted peak of `generate()` for `preset` (a preset, a config.json or a hub id) before anything is
@@ -154,15 +157,44 @@ def predict(
     overhead is about the batch times that of batch 1, then checked at that batch and the next; CPU flash
     attention's scratch is per thread) and the longest generation (`max_new`, up to the model's context).
 
+    The device planned for is an input, whatever this machine has (`device`: cuda, the default when none is named,
+    cpu or meta): a CPU of `threads` torch threads (default: this machine's), a CUDA GPU of `arch` ("hopper", the
+    default, or "other": kvlab.cuda_memory), whose context (`CUDA_CONTEXT`) a "fits" answer counts beside the peak.
+
     The model types kvlab.theory models are walked term by term; every other decoder kvlab runs, or any with
-    `dry_run`, gets a dry run on the meta device (`DryRun`): within 8 bytes of a CPU run, slower (seconds per
-    design).
+    `dry_run`, gets a dry run on the meta device (`DryRun`, as the device planned for allocates: kvlab.planner.meta):
+    within 8 bytes of a CPU run, slower (seconds per design).
     """
     if (max_batch or max_new) and memory is None:
         raise ValueError("--max-batch and --max-new answer for a memory size: give --memory too")
     memory = None if memory is None else parse_bytes(memory)
-    p = normalize(preset=preset, cache=cache, loop=loop, **point)
-    return _predict(p, designs_for(cache, loop, p), memory, max_batch, max_new, dry_run)
+    named = point.get("device") not in (None, "", "auto")
+    p = normalize(target=True, preset=preset, cache=cache, loop=loop, **point)
+    target = Target(p["device"], named, target_threads(threads, p["device"]), target_arch(arch, p["device"]))
+    target.threads_given = threads is not None  # else this machine's (target_threads), which the output says
+    return _predict(p, designs_for(cache, loop, p), memory, max_batch, max_new, dry_run, target)
+
+
+class Target:
+    """The device a prediction plans for: its name, whether it was named or is the default, a CPU's threads, a GPU's
+    architecture, and the bytes a "fits" answer counts beside the peak on it (a CUDA GPU's context)."""
+
+    def __init__(self, device: str, named: bool, threads: int | None, arch: str | None):
+        self.device, self.named, self.threads, self.arch = device, named, threads, arch
+        self.threads_given = False
+        self.cuda = torch.device(device).type == "cuda"
+        self.context = CUDA_CONTEXT if self.cuda else 0
+
+    def describe(self) -> dict:
+        """The target as the prediction states it."""
+        return dict(
+            device=self.device,
+            device_is_default=not self.named,
+            threads=self.threads,
+            threads_are_default=self.threads is not None and not self.threads_given,
+            arch=self.arch,
+            cuda_context_bytes=self.context if self.cuda else None,
+        )
 
 
 def designs_for(cache: str | None, loop: str | None, p: dict) -> list[tuple[str, str]]:
@@ -171,10 +203,16 @@ def designs_for(cache: str | None, loop: str | None, p: dict) -> list[tuple[str,
     return designs if designs and not (cache and loop) else [(p["cache"], p["loop"])]
 
 
-def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: bool, dry_run: bool) -> Prediction:
+def _predict(
+    p: dict, designs, memory: int | None, max_batch: bool, max_new: bool, dry_run: bool, target: Target
+) -> Prediction:
     config = plain.config_for(p["preset"], p["overrides"])
-    walk = Theory(config) if config.model_type in theory.MODELED and not dry_run else _dry_run(p)
+    if config.model_type in theory.MODELED and not dry_run:
+        walk = Theory(config, target.threads, target.arch)
+    else:
+        walk = _dry_run(p, target)
     weights = model_weight_bytes(config, p["dtype"])
+    room = None if memory is None else memory - target.context  # what the caching allocator can hand out
     rows, refused = [], {}
     for cache, loop in designs:
         try:
@@ -188,12 +226,12 @@ def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: boo
         row = dict(cache=cache, loop=loop, **walk.breakdown(design))
         row["peak_bytes"] = weights + row["predicted_overhead_bytes"]
         if memory is not None:
-            row["fits"] = row["peak_bytes"] <= memory
+            row["fits"] = row["peak_bytes"] <= room
         if max_batch:
-            row["max_batch"] = largest_batch(walk.overhead, design, memory - weights)
+            row["max_batch"] = largest_batch(walk.overhead, design, room - weights)
         if max_new:
             limit = config.max_position_embeddings - p["prompt"] - p["restart_new"]  # the positions left
-            fits = lambda n, design=design: weights + walk.overhead(dict(design, new=n)) <= memory
+            fits = lambda n, design=design: weights + walk.overhead(dict(design, new=n)) <= room
             row["max_new"] = largest_new(fits, limit) if limit > 0 else 0  # a prompt past the context: none
             row["max_new_is_context"] = row["max_new"] == max(limit, 0)
         rows.append(row)
@@ -218,17 +256,19 @@ def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: boo
         model=model,
         weights_bytes=weights,
         memory_bytes=memory,
-        cpu_kernels=cpu_kernels(),
-        uncounted=uncounted_workspace(parse_dtype(p["dtype"])),
+        **target.describe(),
+        # This machine's CPU kernels: what a CPU target allocates when it is this machine.
+        cpu_kernels=cpu_kernels() if target.threads else None,
+        uncounted=uncounted_workspace(parse_dtype(p["dtype"])) if target.threads else None,
         designs=rows,
         refused=refused,
     )
 
 
-def _dry_run(p: dict):
-    from .dry_run import DryRun  # it imports transformers' modelling code: only for a dry run
+def _dry_run(p: dict, target: Target):
+    from .dry_run import TargetDryRun  # it imports transformers' modelling code: only for a dry run
 
-    return DryRun(p)
+    return TargetDryRun(p, target)
 
 
 def _check_layers(config, cache: str) -> None:
@@ -241,16 +281,16 @@ def _check_layers(config, cache: str) -> None:
 
 
 class Theory:
-    """kvlab.theory's walk, term by term, for the model types it models."""
+    """kvlab.theory's walk, term by term, for the model types it models, on a CPU of `threads` or a GPU of `arch`."""
 
-    def __init__(self, config):
-        self.config = config
+    def __init__(self, config, threads: int | None = None, arch: str | None = None):
+        self.config, self.device = config, dict(threads=threads, **({"arch": arch} if arch else {}))
 
     def overhead(self, design: dict) -> int:
-        return theory.predict_overhead(self.config, **design)
+        return theory.predict_overhead(self.config, **self.device, **design)
 
     def breakdown(self, design: dict) -> dict:
-        return theory.breakdown(self.config, **design)
+        return theory.breakdown(self.config, **self.device, **design)
 
 
 def format_prediction(result: dict) -> str:
@@ -259,7 +299,8 @@ def format_prediction(result: dict) -> str:
     name = f"{r['preset']} ({r['overrides']})" if r["overrides"] else r["preset"]
     beams = f", {r['num_beams']} beams" if r["strategy"] == "beam" else ""
     restart = f" + {r['restart_new']} after a restart" if r["restart_new"] else ""
-    fits = [f"fits in {gib(memory)} GiB"] if memory is not None else []
+    context = " with the CUDA context" if r.get("cuda_context_bytes") else ""
+    fits = [f"fits in {gib(memory)} GiB{context}"] if memory is not None else []
     first = r["designs"][0] if r["designs"] else {}
     inverse = [name for key, name in (("max_batch", "max batch"), ("max_new", "max new")) if key in first]
     table = [
@@ -300,6 +341,7 @@ def format_prediction(result: dict) -> str:
             f"{r['dtype']}",
             f"batch {r['batch']}, prompt {r['prompt']}, {r['new']} new{restart}, {r['strategy']}{beams}; "
             f"weights {gib(r['weights_bytes'])} GiB",
+            planned_for(r),
             "",
             # the four numbers right-aligned, the rest left-aligned
             *(
@@ -314,6 +356,7 @@ def format_prediction(result: dict) -> str:
             "storage holds (5.x sliding layers stop at the window, prealloc's at a buffer of window - 1 + "
             "block_tokens slots)",
             *([f"kernels' scratch as this CPU allocates it: {r['cpu_kernels']}"] if r.get("cpu_kernels") else []),
+            *cuda_notes(r),
             *(
                 [
                     f"max batch / max new: the largest batch (at {r['new']} new) and the longest generation (at batch "
@@ -333,6 +376,41 @@ def _routing_bound() -> str:
     from .dry_run import ROUTING_BOUND
 
     return ROUTING_BOUND
+
+
+def planned_for(r: dict) -> str:
+    """The line that names the device the prediction plans for, and where it came from."""
+    device = r.get("device", "cpu")
+    default = " (the default: no device named)" if r.get("device_is_default") else ""
+    if r.get("arch"):
+        gpu = "a Hopper GPU (compute capability 9.0)" if r["arch"] == "hopper" else "a GPU other than Hopper"
+        return f"planned for: {device}{default}, {gpu} (--gpu-arch); this machine's devices are not read"
+    if r.get("threads"):
+        whose = " (this machine's; --threads N for another CPU)" if r.get("threads_are_default") else ""
+        threads = f"{r['threads']} torch thread{'s' if r['threads'] != 1 else ''}"
+        return f"planned for: {device}{default}, a CPU of {threads}{whose}"
+    return f"planned for: {device}{default}"
+
+
+def cuda_notes(r: dict) -> list[str]:
+    """A CUDA plan's notes: what "fits" counts beside the peak, and the allocator's reserved bytes."""
+    if not r.get("cuda_context_bytes"):
+        return []
+    gib = lambda n: f"{n / GIB:.3f}"  # noqa: E731
+    reserved = [
+        f"{d['cache']}/{d['loop']} {gib(d['reserved_estimate_bytes'])}"
+        for d in r["designs"]
+        if "reserved_estimate_bytes" in d
+    ]  # kvlab.theory's walk gives it, a dry run does not
+    return [
+        f"CUDA context: {gib(r['cuda_context_bytes'])} GiB outside the caching allocator (measured on one H100; "
+        "approximate: a few hundred MiB, by driver, CUDA version and GPU), counted in 'fits' beside the peak",
+        *(
+            [f"reserved by the caching allocator at the peak, GiB (an estimate, a floor): {', '.join(reserved)}"]
+            if reserved
+            else []
+        ),
+    ]
 
 
 def check_fits(p: dict, model=None) -> None:
