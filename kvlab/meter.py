@@ -23,7 +23,8 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.autograd.profiler import profile
+from torch.profiler import record_function
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -258,7 +259,9 @@ class CpuAllocator:
         return self
 
     def _start(self):
-        self._profile = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        # The autograd profiler records the same kineto events as torch.profiler.profile (CPU activity only), and
+        # starts without importing torch's compiler stack (seconds, once per process: a CPU plan's probe pays it).
+        self._profile = profile(profile_memory=True, use_kineto=True)
         with quiet_stderr():
             self._profile.__enter__()
 
@@ -267,7 +270,7 @@ class CpuAllocator:
         every op's event until it ends (gigabytes over hundreds of steps of a 32-layer model)."""
         with quiet_stderr():
             self._profile.__exit__(*exc)
-        allocations, marks, resets = _profiled_events(self._profile.profiler.kineto_results.experimental_event_tree())
+        allocations, marks, resets = _profiled_events(self._profile.kineto_results.experimental_event_tree())
         del self._profile
         self._allocations += allocations
         self._marks += marks
