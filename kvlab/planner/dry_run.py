@@ -10,7 +10,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .. import theory
-from ..caches import KVCache, ListLayer, PreallocLayer, TupleCache, forward
+from ..caches import KVCache, ListLayer, PreallocLayer, TupleCache, WindowLayer, forward
 from ..loops import decoding, generate
 from ..meter import MemoryMeter
 from ..models import build_model, final_kv_bytes
@@ -27,14 +27,16 @@ ROUTING_BOUND = (
 )
 
 
-def dry_run(model, batch: int, prompt: int, new: int, skip: bool = True, **options):
+def dry_run(model, batch: int, prompt: int, new: int, skip: bool = True, bulk: bool = False, **options):
     """kvlab's loop (`generate(**options)`) on the meta device for a model built there: (the meter's report, the
     cache it ends with). `skip`: the forward only at the steps that can hold the peak of a cache design of
-    kvlab's (`peak_steps`); False, or a cache object of transformers' own to decode into: every step."""
+    kvlab's (`peak_steps`); False, or a cache object of transformers' own to decode into: every step. `bulk`:
+    fewer forwards still, and the skipped steps' tokens added in bulk (`BulkSkippingForward`)."""
     ids = torch.empty((batch, prompt), dtype=torch.long, device="meta")
     cache = options.get("cache", "dynamic")
     if skip and isinstance(cache, str):
-        options = dict(options, step_forward=skipping_forward(cache, new, options.get("cache_options") or {}))
+        make = bulk_skipping_forward if bulk else skipping_forward
+        options = dict(options, step_forward=make(cache, new, options.get("cache_options") or {}))
     with MetaAsCpu(), MemoryMeter("meta", model) as meter:
         out = generate(model, ids, new, meter=meter, **options)
     return meter.report(), out.cache
@@ -53,9 +55,14 @@ def peak_steps(
     step holds at least as much; except where a design reallocates only every few steps (prealloc's buffers and
     window moves every `block_tokens`, list's consolidation every `chunk_limit - 1`), and the last such step
     holds at least as much as any earlier one."""
-    period = {"prealloc": block_tokens, "list": chunk_limit}.get(cache, 1)
+    period = _period(cache, block_tokens, chunk_limit)
     last = new_tokens - 1
     return frozenset(step for step in (0, 1, *range(last - period + 1, last + 1)) if 0 <= step <= last)
+
+
+def _period(cache: str, block_tokens: int, chunk_limit: int) -> int:
+    """How many steps apart a design reallocates: 1 where it does so every step (or never)."""
+    return {"prealloc": block_tokens, "list": chunk_limit}.get(cache, 1)
 
 
 def skipping_forward(cache: str, new: int, cache_options: dict) -> SkippingForward:
@@ -84,9 +91,104 @@ class SkippingForward:
         shape = (fed[0], kept or fed[1], model.config.get_text_config(decoder=True).vocab_size)
         logits = torch.empty(shape, dtype=model.dtype if kept else torch.float32, device="meta")
         grown = KVCache.from_tuples(cache.to_tuples(), len(cache.layers)) if isinstance(cache, TupleCache) else cache
-        advance(grown, fed[1])
+        self.grow(grown, step, fed[1])
         returned = TupleCache.from_tuples(grown.to_tuples(), len(cache.layers)) if grown is not cache else cache
         return CausalLMOutputWithPast(logits=logits, **{CACHE_FIELD: grown}), returned
+
+    def grow(self, cache, step: int, tokens: int) -> None:
+        advance(cache, tokens)
+
+
+def bulk_skipping_forward(cache: str, new: int, cache_options: dict) -> BulkSkippingForward:
+    """The fast dry run's `step_forward` for a run of design `cache` (its `cache_options`) decoding `new` tokens."""
+    block_tokens = cache_options.get("block_tokens", DEFAULTS["block_tokens"])
+    return BulkSkippingForward(
+        new, _period(cache, block_tokens, cache_options.get("chunk_limit", DEFAULTS["chunk_limit"]))
+    )
+
+
+class BulkSkippingForward(SkippingForward):
+    """`SkippingForward` with fewer forwards and no token-by-token growth before the last `period` steps: the
+    forward at steps 0, 1 and the last, and among the last `period` steps (`peak_steps`' window) only at those
+    where a layer reallocates (`reallocates`: a list layer consolidating, a prealloc buffer growing, a window
+    moving), the steps between which every step holds what the one before held and a token more. The steps from 2
+    to the window's start add their tokens at step 2, in bulk (`advance_bulk`: the layers end as token-by-token
+    growth leaves them); the window's skipped steps a token each, so that its reallocations fall where they would.
+    tests/test_dry_run.py holds the kept steps against CPU runs' timelines and the answer against `SkippingForward`'s.
+    """
+
+    def __init__(self, new: int, period: int):
+        self.window = max(2, new - period)  # the first step of the last `period`
+        super().__init__(frozenset(step for step in (0, 1, new - 1) if step >= 0))
+
+    def __call__(self, step, model, cache, **inputs):
+        if step >= self.window and step not in self.steps and reallocates(cache):
+            return forward(model, cache, **inputs)
+        return super().__call__(step, model, cache, **inputs)
+
+    def grow(self, cache, step: int, tokens: int) -> None:
+        if step >= self.window:
+            advance(cache, tokens)
+        elif step == 2:  # every skipped step before the window: each feeds `tokens`
+            advance_bulk(cache, tokens * (self.window - 2))
+
+
+def reallocates(cache, tokens: int = 1) -> bool:
+    """Whether a layer of kvlab's periodic designs allocates anew when `tokens` tokens are added: a list layer
+    consolidates, a prealloc buffer grows, a window buffer moves (kvlab.caches: the rules of their `update`)."""
+    for layer in cache.layers:
+        if isinstance(layer, ListLayer) and len(layer.key_chunks) + 1 >= layer.chunk_limit:
+            return True
+        if isinstance(layer, WindowLayer) and (
+            layer.key_buffer is None or layer.end + tokens > layer.sliding_window - 1 + layer.block_tokens
+        ):
+            return True
+        if type(layer) is PreallocLayer and (
+            layer.key_buffer is None or layer.length + tokens > layer.key_buffer.shape[-2]
+        ):
+            return True
+    return False
+
+
+def advance_bulk(cache, tokens: int) -> None:
+    """`advance(cache, tokens)` in a few updates per layer, each layer left as `tokens` single-token updates leave
+    it (the same tensors, of the same shapes): the transient of the growth differs (one update's), which the dry
+    run's kept steps never hold. Per design: a prealloc buffer grows to the same block in one update; a list layer
+    gets its tokens up to its last consolidation as one chunk, joined as that consolidation joins them, then the
+    rest one by one; a window buffer's phase is its every token's, so it grows token by token; transformers' layers
+    get all but one token in one update and the last alone (a sliding layer keeps a view of the last update's
+    concatenation: its storage is the last update's size)."""
+    for layer in cache.layers:
+        if tokens < 1 or (held := _last_written(layer)) is None:
+            continue
+        shape, dtype, device = (*held[0].shape[:-2], held[0].shape[-1]), held[0].dtype, held[0].device
+        del held
+        update = (
+            lambda n, layer=layer: layer.update(  # noqa: E731
+                *(torch.empty((*shape[:-1], n, shape[-1]), dtype=dtype, device=device) for _ in range(2))
+            )
+        )
+        for n in _bulk_updates(layer, tokens):
+            if n:
+                update(n)
+            else:  # a list layer's consolidation, as its update makes it: the chunks joined into one
+                layer.keys, layer.values = layer.keys, layer.values
+
+
+def _bulk_updates(layer, tokens: int) -> list[int]:
+    """The updates `advance_bulk` gives a layer, in tokens each; 0: a list layer's chunks joined."""
+    if isinstance(layer, WindowLayer):
+        return [1] * tokens
+    if isinstance(layer, PreallocLayer):
+        return [tokens]
+    if isinstance(layer, ListLayer):
+        # One at a time, the appends that consolidate are the (limit - chunks)-th and every (limit - 1)-th after.
+        first, every = layer.chunk_limit - len(layer.key_chunks), layer.chunk_limit - 1
+        if tokens < first:
+            return [1] * tokens
+        last = first + (tokens - first) // every * every
+        return [last, 0] + [1] * (tokens - last)
+    return [tokens - 1, 1] if tokens > 1 else [tokens]
 
 
 def advance(cache, tokens: int) -> None:
@@ -141,11 +243,11 @@ class DryRun:
         self.model = build_model(p["preset"], p["overrides"], "meta", p["dtype"], p["seed"])
 
     def overhead(self, design: dict) -> int:
-        return self.run(design)[0].overhead_bytes
+        return self.measure(design)[0].overhead_bytes
 
     def breakdown(self, design: dict) -> dict:
         bounded = MetaAsCpu.bounded
-        report, cache = self.run(design)
+        report, held = self.measure(design)
         routed = MetaAsCpu.bounded > bounded  # the routing was answered by its bound
         config, d = self.model.config, design
         kv_final = final_kv_bytes(config, d["batch"] * beams(dict(self.p, **d)), d["prompt"] + d["new"], d["dtype"])
@@ -153,22 +255,28 @@ class DryRun:
         return {
             "predicted_overhead_bytes": report.overhead_bytes,
             "kv_final_bytes": kv_final,
-            "cache_tokens_per_layer": theory.tokens_per_layer(held_tokens(cache)),
+            "cache_tokens_per_layer": theory.tokens_per_layer(held),
             "overhead_over_kv": over_kv(report.overhead_bytes, kv_final),
             "peak_at": f"step {peak_step} (dry run on meta{', routing bounded' if routed else ''})",
             **({"bound": ROUTING_BOUND} if routed else {}),
             "terms_bytes": {f"{part} at the peak": n for part, n in report.at_peak.items() if n and part != "weights"},
         }
 
-    def run(self, design: dict):
-        """The meta run of one design: (the meter's report, the cache it ends with)."""
+    def measure(self, design: dict):
+        """One design's count: (the meter's report, the tokens each layer's storage holds at the end)."""
+        report, cache = self.run(design)
+        return report, held_tokens(cache)
+
+    def run(self, design: dict, model=None, bulk: bool = False):
+        """The meta run of one design (of `model`, else the whole model; `bulk`: `BulkSkippingForward`): (the
+        meter's report, the cache it ends with)."""
         d = design
         options = dict(
             block_tokens=d["block_tokens"], chunk_limit=d["chunk_limit"], max_cache_len=d["prompt"] + d["new"] - 1
         )
         strategy = decoding(d["strategy"], d["num_beams"])
         return dry_run(
-            self.model,
+            self.model if model is None else model,
             d["batch"],
             d["prompt"],
             d["new"],
@@ -176,4 +284,5 @@ class DryRun:
             loop=d["loop"],
             strategy=strategy,
             cache_options=options,
+            bulk=bulk,
         )

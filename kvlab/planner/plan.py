@@ -20,6 +20,7 @@ from ..meter import weight_bytes
 from ..models import instantiate, parse_dtype
 from ..schema import DESIGNS, POINT_KEYS, beams
 from .dry_run import ROUTING_BOUND, DryRun
+from .fast import fast_or_exact
 from .meta import cpu_kernels, uncounted_workspace
 from .params import normalize
 
@@ -137,6 +138,7 @@ def predict(
     max_batch: bool = False,
     max_new: bool = False,
     dry_run: bool = False,
+    exact: bool = False,
     cache: str | None = None,
     loop: str | None = None,
     **point,
@@ -151,14 +153,15 @@ def predict(
     attention's scratch is per thread) and the longest generation (`max_new`, up to the model's context).
 
     The model types kvlab.theory models are walked term by term; every other decoder kvlab runs, or any with
-    `dry_run`, gets a dry run on the meta device (`DryRun`): within 8 bytes of a CPU run, slower (seconds per
-    design).
+    `dry_run`, gets a dry run on the meta device: of a few layers, extrapolated to all (kvlab.planner.fast: within
+    1 % of the whole model's, well under a second per design), or with `exact` of the whole model (`DryRun`: within
+    8 bytes of a CPU run, seconds per design, minutes for a large model's every design).
     """
     if (max_batch or max_new) and memory is None:
         raise ValueError("--max-batch and --max-new answer for a memory size: give --memory too")
     memory = None if memory is None else parse_bytes(memory)
     p = normalize(preset=preset, cache=cache, loop=loop, **point)
-    return _predict(p, designs_for(cache, loop, p), memory, max_batch, max_new, dry_run)
+    return _predict(p, designs_for(cache, loop, p), memory, max_batch, max_new, dry_run, exact)
 
 
 def designs_for(cache: str | None, loop: str | None, p: dict) -> list[tuple[str, str]]:
@@ -167,9 +170,14 @@ def designs_for(cache: str | None, loop: str | None, p: dict) -> list[tuple[str,
     return designs if designs and not (cache and loop) else [(p["cache"], p["loop"])]
 
 
-def _predict(p: dict, designs, memory: int | None, max_batch: bool, max_new: bool, dry_run: bool) -> Prediction:
+def _predict(
+    p: dict, designs, memory: int | None, max_batch: bool, max_new: bool, dry_run: bool, exact: bool = False
+) -> Prediction:
     config = load_config(p["preset"], p["overrides"])
-    walk = Theory(config) if config.model_type in theory.MODELED and not dry_run else DryRun(p)
+    if config.model_type in theory.MODELED and not (dry_run or exact):
+        walk = Theory(config)
+    else:  # a dry run on meta: of a few layers extrapolated, or of the whole model
+        walk = DryRun(p) if exact else fast_or_exact(p)
     weights = model_weight_bytes(config, p["dtype"])
     rows, refused = [], {}
     for cache, loop in designs:
