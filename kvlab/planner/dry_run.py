@@ -161,11 +161,11 @@ def advance_bulk(cache, tokens: int) -> None:
     for layer in cache.layers:
         if tokens < 1 or (held := _last_written(layer)) is None:
             continue
-        shape, dtype, device = (*held[0].shape[:-2], held[0].shape[-1]), held[0].dtype, held[0].device
+        like = [(t.shape, t.dtype, t.device) for t in held]  # keys and values: MLA's differ in width
         del held
         update = (
-            lambda n, layer=layer: layer.update(  # noqa: E731
-                *(torch.empty((*shape[:-1], n, shape[-1]), dtype=dtype, device=device) for _ in range(2))
+            lambda n, layer=layer, like=like: layer.update(  # noqa: E731
+                *(torch.empty((*shape[:-2], n, shape[-1]), dtype=dtype, device=device) for shape, dtype, device in like)
             )
         )
         for n in _bulk_updates(layer, tokens):

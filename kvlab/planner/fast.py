@@ -20,10 +20,10 @@ Two cuts, each kept exact where it can be:
   than its first at a 4,000-token prompt, its third no more than its second). One dry run of two layers of each
   kind (the last layer of each kind in the model's order, after a copy of each: the peak inside the last layer,
   or after it, sees every earlier layer's cache as in the whole model) gives the base; one more per kind with a
-  third layer of that kind in front gives b_k; each step's peak is extrapolated, and the highest is the answer. What is not linear:
-  a peak inside a layer while layers of another kind after it have not cached yet (the prompt's step) counts
-  those later layers' cache early, at most a few layers' share of the prompt's cache: well under 1 % on the
-  large models (benchmarks/predict.py measures it on six), and within 1 % on the tests' small ones.
+  third layer of that kind in front gives b_k; each step's peak is extrapolated, and the highest is the answer.
+  What is not linear: a peak inside a layer while layers of another kind after it have not cached yet (the
+  prompt's step) counts those later layers' cache early, at most a few layers' share of the prompt's cache
+  (benchmarks/predict.py measures the error on six large models; tests/test_fast.py on small ones).
 
 kvlab.theory's closed forms stay what predict uses for the families it models; this walks every other decoder.
 A model whose layers read other layers' caches (KV sharing) cannot be cut; it gets the whole model's dry run.
@@ -39,7 +39,7 @@ from torch import nn
 
 from ..meter import MemoryReport, StepMemory, weight_bytes
 from ..models import build_model, layer_kinds
-from .dry_run import DryRun, dry_run, held_tokens
+from .dry_run import DryRun, held_tokens
 
 
 class Uncuttable(ValueError):
@@ -157,9 +157,12 @@ def _cut(model, decoder, indices: list[int], cache_kinds: list[str]):
     """A model of `model`'s layers `indices` (copies, renumbered) and its other modules (shared: on meta they
     hold no data), with a config of that many layers of those types."""
     config = copy.deepcopy(model.config)
+    types = getattr(config, "layer_types", None)  # read first: Bamba's follow num_hidden_layers
     config.num_hidden_layers = len(indices)
-    if isinstance(getattr(config, "layer_types", None), list):
-        config.layer_types = [config.layer_types[i] for i in indices]
+    if hasattr(config, "attn_layer_indices") and config.attn_layer_indices:  # Bamba's types: from these indices
+        config.attn_layer_indices = [new for new, old in enumerate(indices) if old in config.attn_layer_indices]
+    elif isinstance(types, list):
+        config.layer_types = [types[i] for i in indices]
     if [repr(kind) for kind in layer_kinds(config)] != [cache_kinds[i] for i in indices]:
         raise Uncuttable(f"{config.model_type}: a config of fewer layers gives them other cache types")
     layers = nn.ModuleList(copy.deepcopy(decoder.layers[i], {id(model.config): config}) for i in indices)
