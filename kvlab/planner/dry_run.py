@@ -6,6 +6,9 @@ generate()'s per-step hook). The count a CPU run gives, in a few forwards (tests
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
@@ -27,19 +30,29 @@ ROUTING_BOUND = (
 )
 
 
-def dry_run(model, batch: int, prompt: int, new: int, skip: bool = True, bulk: bool = False, **options):
+def dry_run(model, batch: int, prompt: int, new: int, skip: bool = True, bulk: bool = False, jump: int = 0, **options):
     """kvlab's loop (`generate(**options)`) on the meta device for a model built there: (the meter's report, the
     cache it ends with). `skip`: the forward only at the steps that can hold the peak of a cache design of
     kvlab's (`peak_steps`); False, or a cache object of transformers' own to decode into: every step. `bulk`:
-    fewer forwards still, and the skipped steps' tokens added in bulk (`BulkSkippingForward`)."""
+    fewer forwards still, and the skipped steps' tokens added in bulk (`BulkSkippingForward`), and with `jump`
+    (at most `max_jump`) that many steps after step 2 not looped at all: their tokens added at step 2, the
+    timeline's later steps numbered as in the whole loop. The loop's own tensors of a token per step (the ids,
+    positions, beam search's buffers) are then `jump` tokens shorter (kvlab.planner.fast extrapolates them)."""
     ids = torch.empty((batch, prompt), dtype=torch.long, device="meta")
     cache = options.get("cache", "dynamic")
     if skip and isinstance(cache, str):
-        make = bulk_skipping_forward if bulk else skipping_forward
-        options = dict(options, step_forward=make(cache, new, options.get("cache_options") or {}))
+        cache_options = options.get("cache_options") or {}
+        make = functools.partial(bulk_skipping_forward, jump=jump) if bulk else skipping_forward
+        options = dict(options, step_forward=make(cache, new, cache_options))
+    elif jump:
+        raise ValueError("a dry run jumps steps only when it skips them in bulk")
     with MetaAsCpu(), MemoryMeter("meta", model) as meter:
-        out = generate(model, ids, new, meter=meter, **options)
-    return meter.report(), out.cache
+        out = generate(model, ids, new - jump, meter=meter, **options)
+    report = meter.report()
+    if jump:
+        steps = [dataclasses.replace(s, step=s.step + jump) if s.step > 2 else s for s in report.timeline]
+        report = dataclasses.replace(report, timeline=steps)
+    return report, out.cache
 
 
 def peak_steps(
@@ -99,12 +112,25 @@ class SkippingForward:
         advance(cache, tokens)
 
 
-def bulk_skipping_forward(cache: str, new: int, cache_options: dict) -> BulkSkippingForward:
-    """The fast dry run's `step_forward` for a run of design `cache` (its `cache_options`) decoding `new` tokens."""
-    block_tokens = cache_options.get("block_tokens", DEFAULTS["block_tokens"])
-    return BulkSkippingForward(
-        new, _period(cache, block_tokens, cache_options.get("chunk_limit", DEFAULTS["chunk_limit"]))
+def bulk_skipping_forward(cache: str, new: int, cache_options: dict, jump: int = 0) -> BulkSkippingForward:
+    """The fast dry run's `step_forward` for a run of design `cache` (its `cache_options`) decoding `new` tokens,
+    `jump` steps of which are not looped (`dry_run`)."""
+    if not 0 <= jump <= max_jump(cache, new, cache_options):
+        raise ValueError(f"a dry run of {new} new tokens cannot jump {jump} steps")
+    return BulkSkippingForward(new - jump, _design_period(cache, cache_options), jump)
+
+
+def _design_period(cache: str, cache_options: dict) -> int:
+    return _period(
+        cache,
+        cache_options.get("block_tokens", DEFAULTS["block_tokens"]),
+        cache_options.get("chunk_limit", DEFAULTS["chunk_limit"]),
     )
+
+
+def max_jump(cache: str, new: int, cache_options: dict) -> int:
+    """The most steps a bulk dry run can leave out of its loop: those between step 2 and the last `period`."""
+    return max(0, new - _design_period(cache, cache_options) - 3)
 
 
 class BulkSkippingForward(SkippingForward):
@@ -117,8 +143,9 @@ class BulkSkippingForward(SkippingForward):
     tests/test_dry_run.py holds the kept steps against CPU runs' timelines and the answer against `SkippingForward`'s.
     """
 
-    def __init__(self, new: int, period: int):
+    def __init__(self, new: int, period: int, jump: int = 0):
         self.window = max(2, new - period)  # the first step of the last `period`
+        self.jump = jump  # steps left out of the loop (`dry_run`), whose tokens step 2 adds too
         super().__init__(frozenset(step for step in (0, 1, new - 1) if step >= 0))
 
     def __call__(self, step, model, cache, **inputs):
@@ -130,7 +157,7 @@ class BulkSkippingForward(SkippingForward):
         if step >= self.window:
             advance(cache, tokens)
         elif step == 2:  # every skipped step before the window: each feeds `tokens`
-            advance_bulk(cache, tokens * (self.window - 2))
+            advance_bulk(cache, tokens * (self.window - 2 + self.jump))
 
 
 def reallocates(cache, tokens: int = 1) -> bool:
@@ -267,8 +294,8 @@ class DryRun:
         report, cache = self.run(design)
         return report, held_tokens(cache)
 
-    def run(self, design: dict, model=None, bulk: bool = False):
-        """The meta run of one design (of `model`, else the whole model; `bulk`: `BulkSkippingForward`): (the
+    def run(self, design: dict, model=None, bulk: bool = False, jump: int = 0):
+        """The meta run of one design (of `model`, else the whole model; `bulk`, `jump`: as `dry_run`): (the
         meter's report, the cache it ends with)."""
         d = design
         options = dict(
@@ -285,4 +312,5 @@ class DryRun:
             strategy=strategy,
             cache_options=options,
             bulk=bulk,
+            jump=jump,
         )

@@ -35,11 +35,17 @@ import copy
 import functools
 import json
 
+import torch
 from torch import nn
 
-from ..meter import MemoryReport, StepMemory, weight_bytes
+from ..loops import decoding, generate
+from ..meter import MemoryMeter, MemoryReport, StepMemory, weight_bytes
 from ..models import build_model, layer_kinds
-from .dry_run import DryRun, held_tokens
+from .dry_run import DryRun, SkippingForward, held_tokens, max_jump
+from .meta import MetaAsCpu
+
+# How many steps apart the two runs of the loop alone are (`FastDryRun._loop_bytes`).
+LOOP_STEPS = 4
 
 
 class Uncuttable(ValueError):
@@ -57,11 +63,31 @@ class FastDryRun(DryRun):
         self.model = self.cut.model
 
     def measure(self, design: dict):
-        runs = [self._run(model, design) for model in self.cut.models]
-        return self.cut.extrapolate([report for report, _ in runs]), self.cut.held([held for _, held in runs])
+        options = {key: design[key] for key in ("block_tokens", "chunk_limit")}
+        jump = max_jump(design["cache"], design["new"], options)
+        runs = [self._run(model, design, jump) for model in self.cut.models]
+        loop = self._loop_bytes(design) if jump else (0, 0)
+        reports = [report for report, _ in runs]
+        return self.cut.extrapolate(reports, [n * jump for n in loop]), self.cut.held([held for _, held in runs])
 
-    def _run(self, model, design: dict):
-        report, cache = self.run(design, model=model, bulk=True)
+    def _loop_bytes(self, design: dict) -> tuple[int, int]:
+        """Bytes a step more adds to what the loop's own tensors hold (the ids, positions, a mask, beam search's
+        buffers): (from the loop's start: buffers sized by the tokens to decode; after step 2: those and what
+        grows a token a step). From two runs of the loop alone, LOOP_STEPS steps apart: no forward, no cache."""
+        d, ends = design, []
+        for new in (4, 4 + LOOP_STEPS):
+            ids = torch.empty((d["batch"], d["prompt"]), dtype=torch.long, device="meta")
+            strategy = decoding(d["strategy"], d["num_beams"])
+            with MetaAsCpu(), MemoryMeter("meta", self.cut.models[0]) as meter:
+                generate(self.cut.models[0], ids, new, cache="dynamic", loop=d["loop"], strategy=strategy,
+                         meter=meter, step_forward=SkippingForward(frozenset()))  # fmt: skip
+            ends.append(meter.report().timeline)
+        upfront = (ends[1][0].live_bytes - ends[0][0].live_bytes) // LOOP_STEPS
+        growth = (ends[1][3 + LOOP_STEPS].live_bytes - ends[1][3].live_bytes) // LOOP_STEPS
+        return upfront, upfront + growth
+
+    def _run(self, model, design: dict, jump: int):
+        report, cache = self.run(design, model=model, bulk=True, jump=jump)
         return report, held_tokens(cache)
 
 
@@ -112,20 +138,25 @@ class LayerCut:
         base = values[0]
         return base + sum((self.counts[kind] - 2) * (v - base) for kind, v in zip(self.extra, values[1:]))
 
-    def extrapolate(self, reports: list[MemoryReport]) -> MemoryReport:
-        """The whole model's report: each step's bytes extrapolated, the peak the highest of them, what it holds
-        (kv, logits, other) extrapolated from each cut model's split at its own peak."""
-        steps = [[(s.step, s.live_bytes, s.peak_bytes) for s in report.timeline] for report in reports]
-        if len({tuple(step for step, _, _ in timeline) for timeline in steps}) != 1:
+    def extrapolate(self, reports: list[MemoryReport], left_out: list[int]) -> MemoryReport:
+        """The whole model's report from the cut models' runs: each step's bytes extrapolated in the layers, plus
+        what the loop's tensors of the steps left out of the runs' loops hold (`left_out`: at steps 0-2, and
+        after); the peak the highest step; what it holds (kv, logits, other) extrapolated from each run's split at
+        its peak, the loop's tensors left out counted as other."""
+        steps = [{s.step: s for s in report.timeline} for report in reports]
+        if len({tuple(timeline) for timeline in steps}) != 1:
             raise RuntimeError("the cut models' dry runs stepped differently")
-        timeline = [
-            StepMemory(rows[0][0], self._linear([row[1] for row in rows]), self._linear([row[2] for row in rows]))
-            for rows in zip(*steps)
-        ]
-        overhead = max(self._linear([r.overhead_bytes for r in reports]), *(s.peak_bytes for s in timeline))
+
+        def per_step(step: int, field: str) -> int:
+            return self._linear([getattr(timeline[step], field) for timeline in steps]) + left_out[step > 2]
+
+        timeline = [StepMemory(step, per_step(step, "live_bytes"), per_step(step, "peak_bytes")) for step in steps[0]]
+        peak = max(timeline, key=lambda s: s.peak_bytes)
         parts = {part for report in reports for part in report.at_peak if part != "weights"}
         at_peak = {"weights": self.weights}
         at_peak |= {part: self._linear([r.at_peak.get(part, 0) for r in reports]) for part in sorted(parts)}
+        at_peak["other"] = at_peak.get("other", 0) + left_out[peak.step > 2]
+        overhead = peak.peak_bytes
         first = reports[0]
         return MemoryReport(first.device, first.method, self.weights, self.weights + overhead, None, timeline, at_peak)
 
