@@ -71,24 +71,37 @@ class FastDryRun(DryRun):
         return self.cut.extrapolate(reports, [n * jump for n in loop]), self.cut.held([held for _, held in runs])
 
     def _loop_bytes(self, design: dict) -> tuple[int, int]:
-        """Bytes a step more adds to what the loop's own tensors hold (the ids, positions, a mask, beam search's
-        buffers): (from the loop's start: buffers sized by the tokens to decode; after step 2: those and what
-        grows a token a step). From two runs of the loop alone, LOOP_STEPS steps apart: no forward, no cache."""
-        d, ends = design, []
+        """Bytes a step more adds to what the loop's own tensors hold as a forward starts (the ids, positions, a
+        mask, beam search's buffers): (from the loop's start: buffers sized by the tokens to decode; after step 2:
+        those and what grows a token a step). From two runs of the loop alone, LOOP_STEPS steps apart: no forward,
+        no cache, the live bytes read as each step's forward would start."""
+        d, starts = design, []
         for new in (4, 4 + LOOP_STEPS):
             ids = torch.empty((d["batch"], d["prompt"]), dtype=torch.long, device="meta")
             strategy = decoding(d["strategy"], d["num_beams"])
             with MetaAsCpu(), MemoryMeter("meta", self.cut.models[0]) as meter:
+                starts.append(live := [])
                 generate(self.cut.models[0], ids, new, cache="dynamic", loop=d["loop"], strategy=strategy,
-                         meter=meter, step_forward=SkippingForward(frozenset()))  # fmt: skip
-            ends.append(meter.report().timeline)
-        upfront = (ends[1][0].live_bytes - ends[0][0].live_bytes) // LOOP_STEPS
-        growth = (ends[1][3 + LOOP_STEPS].live_bytes - ends[1][3].live_bytes) // LOOP_STEPS
+                         meter=meter, step_forward=_Reading(meter, live))  # fmt: skip
+        upfront = (starts[1][0] - starts[0][0]) // LOOP_STEPS
+        growth = (starts[1][3 + LOOP_STEPS] - starts[1][3]) // LOOP_STEPS
         return upfront, upfront + growth
 
     def _run(self, model, design: dict, jump: int):
         report, cache = self.run(design, model=model, bulk=True, jump=jump)
         return report, held_tokens(cache)
+
+
+class _Reading(SkippingForward):
+    """A `step_forward` that runs no forward and notes the meter's live bytes as each step's forward would start."""
+
+    def __init__(self, meter, live: list[int]):
+        super().__init__(frozenset())
+        self.meter, self.live = meter, live
+
+    def __call__(self, step, model, cache, **inputs):
+        self.live.append(self.meter.live_bytes())
+        return super().__call__(step, model, cache, **inputs)
 
 
 def fast_or_exact(p: dict) -> DryRun:
