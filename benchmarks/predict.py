@@ -80,10 +80,13 @@ def main():
     designs = [tuple(design.split("/")) for design in args.designs.split(",")]
     configs = [name if name.endswith(".json") else str(CONFIGS / f"{name}.json") for name in args.configs.split(",")]
     print(f"batch {args.batch}, prompt {args.prompt}, {args.new} new, {args.dtype}; seconds per design, overhead GiB")
-    rows = []
+    rows, refused = [], []
     for preset, design in tqdm([(c, d) for c in configs for d in designs], desc="predict", unit="design"):
-        rows.append(dict(config=Path(preset).stem, **measure(preset, design, point, not args.no_exact)))
-    print(table(rows))
+        try:
+            rows.append(dict(config=Path(preset).stem, **measure(preset, design, point, not args.no_exact)))
+        except ValueError as why:  # a design the model cannot hold (tuple beside recurrent layers)
+            refused.append(f"{Path(preset).stem} {'/'.join(design)}: {why}")
+    print(table(rows), *refused, sep="\n")
 
 
 if __name__ == "__main__":
