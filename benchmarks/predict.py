@@ -84,6 +84,7 @@ def main():
     for preset, design in tqdm([(c, d) for c in configs for d in designs], desc="predict", unit="design"):
         try:
             rows.append(dict(config=Path(preset).stem, **measure(preset, design, point, not args.no_exact)))
+            tqdm.write(str(rows[-1]))  # as each design ends: a long run interrupted keeps what it measured
         except ValueError as why:  # a design the model cannot hold (tuple beside recurrent layers)
             refused.append(f"{Path(preset).stem} {'/'.join(design)}: {why}")
     print(table(rows), *refused, sep="\n")

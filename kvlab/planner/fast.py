@@ -206,7 +206,10 @@ def _cut(model, decoder, indices: list[int], cache_kinds: list[str]):
     if hasattr(config, "attn_layer_indices") and config.attn_layer_indices:  # Bamba's types: from these indices
         config.attn_layer_indices = [new for new, old in enumerate(indices) if old in config.attn_layer_indices]
     elif isinstance(types, list):
-        config.layer_types = [types[i] for i in indices]
+        try:
+            config.layer_types = [types[i] for i in indices]
+        except AttributeError:  # derived from other keys, in a spelling of that config's own (Jamba, Mamba-2)
+            raise Uncuttable(f"{config.model_type}: its layer types cannot be set") from None
     if [repr(kind) for kind in layer_kinds(config)] != [cache_kinds[i] for i in indices]:
         raise Uncuttable(f"{config.model_type}: a config of fewer layers gives them other cache types")
     layers = nn.ModuleList(copy.deepcopy(decoder.layers[i], {id(model.config): config}) for i in indices)
@@ -216,7 +219,9 @@ def _cut(model, decoder, indices: list[int], cache_kinds: list[str]):
                 module.layer_idx = index
     cut_decoder = _shallow(decoder, layers=layers)
     cut_decoder.config = config
-    name = next(name for name, child in model.named_children() if child is decoder)
+    name = next((name for name, child in model.named_children() if child is decoder), None)
+    if name is None:  # OPT's decoder inside its model
+        raise Uncuttable(f"{config.model_type}: its decoder is not a module of the model's own")
     cut = _shallow(model, **{name: cut_decoder})
     cut.config = config
     return cut
