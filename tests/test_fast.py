@@ -12,7 +12,7 @@ from kvlab.caches import forward
 from kvlab.loops import decoding, generate
 from kvlab.meter import MemoryMeter
 from kvlab.models import build_model, random_prompt
-from kvlab.planner.dry_run import BulkSkippingForward, reallocates
+from kvlab.planner.dry_run import BulkSkippingForward
 from kvlab.planner.plan import predict
 
 MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16, mamba_n_groups=1)
@@ -68,7 +68,7 @@ def test_the_bulk_skippings_kept_steps_hold_a_cpu_runs_peak(folders, model_type,
     kept = set()
 
     def every_step(step, model, kv, **inputs):
-        if step in skipping.steps or (step >= skipping.window and reallocates(kv)):
+        if skipping.runs_forward(step, kv):
             kept.add(step)
         return forward(model, kv, **inputs)
 

@@ -135,8 +135,8 @@ def max_jump(cache: str, new: int, cache_options: dict) -> int:
 
 class BulkSkippingForward(SkippingForward):
     """`SkippingForward` with fewer forwards and no token-by-token growth before the last `period` steps: the
-    forward at steps 0, 1 and the last, and among the last `period` steps (`peak_steps`' window) only at those
-    where a layer reallocates (`reallocates`: a list layer consolidating, a prealloc buffer growing, a window
+    forward at steps 0, 1 and the last, and among the last `period` steps (`peak_steps`' window) only at the last
+    time each layer reallocates (`reallocates`: a list layer consolidating, a prealloc buffer growing, a window
     moving), the steps between which every step holds what the one before held and a token more. The steps from 2
     to the window's start add their tokens at step 2, in bulk (`advance_bulk`: the layers end as token-by-token
     growth leaves them); the window's skipped steps a token each, so that its reallocations fall where they would.
@@ -149,9 +149,17 @@ class BulkSkippingForward(SkippingForward):
         super().__init__(frozenset(step for step in (0, 1, new - 1) if step >= 0))
 
     def __call__(self, step, model, cache, **inputs):
-        if step >= self.window and step not in self.steps and reallocates(cache):
+        if self.runs_forward(step, cache):
             return forward(model, cache, **inputs)
         return super().__call__(step, model, cache, **inputs)
+
+    def runs_forward(self, step: int, cache) -> bool:
+        """At `step`, before it: 0, 1, the last, and in the window the last reallocation of a layer (the cache
+        says which: `reallocates`: one whose next reallocation, a period on, would come after the last step; a step
+        more is kept than that needs, and so is a prealloc layer's reallocation a period on from its first block,
+        which holds the prompt and fills sooner)."""
+        last = max(self.steps)
+        return step in self.steps or (step >= self.window and reallocates(cache, last - step - 1))
 
     def grow(self, cache, step: int, tokens: int) -> None:
         if step >= self.window:
@@ -160,21 +168,25 @@ class BulkSkippingForward(SkippingForward):
             advance_bulk(cache, tokens * (self.window - 2 + self.jump))
 
 
-def reallocates(cache, tokens: int = 1) -> bool:
-    """Whether a layer of kvlab's periodic designs allocates anew when `tokens` tokens are added: a list layer
-    consolidates, a prealloc buffer grows, a window buffer moves (kvlab.caches: the rules of their `update`)."""
-    for layer in cache.layers:
-        if isinstance(layer, ListLayer) and len(layer.key_chunks) + 1 >= layer.chunk_limit:
-            return True
-        if isinstance(layer, WindowLayer) and (
-            layer.key_buffer is None or layer.end + tokens > layer.sliding_window - 1 + layer.block_tokens
-        ):
-            return True
-        if type(layer) is PreallocLayer and (
-            layer.key_buffer is None or layer.length + tokens > layer.key_buffer.shape[-2]
-        ):
-            return True
-    return False
+def reallocates(cache, steps_left: int | None = None) -> bool:
+    """Whether a layer of kvlab's periodic designs allocates anew at the next token (a list layer consolidates, a
+    prealloc buffer grows, a window buffer moves: kvlab.caches, the rules of their `update`); with `steps_left`,
+    only a layer that will not do so again in that many steps (its period on: the last time holds the most)."""
+    periods = [_reallocating(layer) for layer in cache.layers]
+    return any(period is not None and (steps_left is None or period > steps_left) for period in periods)
+
+
+def _reallocating(layer) -> int | None:
+    """The layer's period (steps from one reallocation to the next) if its next token reallocates; else None."""
+    if isinstance(layer, ListLayer):
+        return layer.chunk_limit - 1 if len(layer.key_chunks) + 1 >= layer.chunk_limit else None
+    if isinstance(layer, WindowLayer):
+        full = layer.key_buffer is None or layer.end + 1 > layer.sliding_window - 1 + layer.block_tokens
+        return layer.block_tokens if full else None
+    if isinstance(layer, PreallocLayer):
+        full = layer.key_buffer is None or layer.length + 1 > layer.key_buffer.shape[-2]
+        return layer.block_tokens if full else None
+    return None
 
 
 def advance_bulk(cache, tokens: int) -> None:
