@@ -63,6 +63,7 @@ class FastDryRun(DryRun):
         self.model = self.cut.model
 
     def measure(self, design: dict):
+        """`DryRun.measure` from the cut models' runs, each leaving out of its loop the steps `max_jump` allows."""
         options = {key: design[key] for key in ("block_tokens", "chunk_limit")}
         jump = max_jump(design["cache"], design["new"], options)
         runs = [self._run(model, design, jump) for model in self.cut.models]
@@ -120,8 +121,8 @@ def layer_cut(preset: str, overrides: str, dtype: str, seed: int) -> LayerCut:
 
 class LayerCut:
     """A decoder on meta and the few-layer models its dry run is extrapolated from (see the module's docstring):
-    `models[0]` holds the last layer of each kind, in the model's order; `models[1:]` each one more layer of one
-    kind in front. `kinds[i]`: layer i's kind."""
+    `models[0]` holds the last layer of each kind, in the model's order, after one more of each kind that has more;
+    `models[1:]` each one more layer of one kind in front. `kinds[i]`: layer i's kind."""
 
     def __init__(self, model):
         self.model = model
