@@ -456,8 +456,9 @@ def _predict_arguments(predict: argparse.ArgumentParser) -> None:
     predict.add_argument(
         "--dry-run",
         action="store_true",
-        help="count a dry run of kvlab's loop on the meta device instead of kvlab.theory's walk (exact, slower); "
-        "model types the theory does not walk get it anyway",
+        help="count a dry run of kvlab's loop on the meta device instead of kvlab.theory's walk (a few layers' run "
+        "extrapolated to all, kvlab.planner.fast; predict(exact=True) runs every layer); model types the theory "
+        "does not walk get it anyway",
     )
     predict.add_argument("--json", action="store_true", help="print the prediction, term by term, as JSON (bytes)")
 

@@ -6,6 +6,7 @@ savers and the command line.
     meta     the CPU or a CUDA GPU on the meta device (`MetaAsCpu`, `MetaAsCuda`), and the CPU's kernel library a
              prediction names
     dry_run  kvlab's loop on meta, the forward only at the steps that can hold the peak (`dry_run`, `DryRun`)
+    fast     that dry run of a model cut to a few layers, extrapolated to all (`FastDryRun`): predict's default
     plan     `predict` (kvlab.theory's walk or a dry run per design, "does it fit", the largest batch and
              generation), `Prediction` and its table, `check_fits`
 

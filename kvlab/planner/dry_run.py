@@ -6,17 +6,19 @@ generate()'s per-step hook). The count a CPU run gives, in a few forwards (tests
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .. import theory
-from ..caches import KVCache, ListLayer, PreallocLayer, TupleCache, forward
-from ..cuda_memory import cublas_workspace
+from ..caches import KVCache, ListLayer, PreallocLayer, TupleCache, WindowLayer, forward
 from ..loops import decoding, generate
 from ..meter import MemoryMeter
 from ..models import build_model, final_kv_bytes
 from ..schema import DEFAULTS, beams, over_kv
-from .meta import MetaAsCpu, meta_as
+from .meta import MetaAsCpu
 
 # The output field that carries the cache back: renamed `cache` in 5.24 (kvlab.compat reads either).
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -28,18 +30,40 @@ ROUTING_BOUND = (
 )
 
 
-def dry_run(model, batch: int, prompt: int, new: int, skip: bool = True, as_device=None, **options):
+def dry_run(
+    model,
+    batch: int,
+    prompt: int,
+    new: int,
+    skip: bool = True,
+    bulk: bool = False,
+    jump: int = 0,
+    as_device=None,
+    **options,
+):
     """kvlab's loop (`generate(**options)`) on the meta device for a model built there: (the meter's report, the
     cache it ends with). `skip`: the forward only at the steps that can hold the peak of a cache design of
-    kvlab's (`peak_steps`); False, or a cache object of transformers' own to decode into: every step.
+    kvlab's (`peak_steps`); False, or a cache object of transformers' own to decode into: every step. `bulk`:
+    fewer forwards still, and the skipped steps' tokens added in bulk (`BulkSkippingForward`), and with `jump`
+    (at most `max_jump`) that many steps after step 2 not looped at all: their tokens added at step 2, the
+    timeline's later steps numbered as in the whole loop. The loop's own tensors of a token per step (the ids,
+    positions, beam search's buffers) are then `jump` tokens shorter (kvlab.planner.fast extrapolates them).
     `as_device`: the device the forward allocates as (kvlab.planner.meta; default `MetaAsCpu()`)."""
     ids = torch.empty((batch, prompt), dtype=torch.long, device="meta")
     cache = options.get("cache", "dynamic")
     if skip and isinstance(cache, str):
-        options = dict(options, step_forward=skipping_forward(cache, new, options.get("cache_options") or {}))
+        cache_options = options.get("cache_options") or {}
+        make = functools.partial(bulk_skipping_forward, jump=jump) if bulk else skipping_forward
+        options = dict(options, step_forward=make(cache, new, cache_options))
+    elif jump:
+        raise ValueError("a dry run jumps steps only when it skips them in bulk")
     with as_device or MetaAsCpu(), MemoryMeter("meta", model) as meter:
-        out = generate(model, ids, new, meter=meter, **options)
-    return meter.report(), out.cache
+        out = generate(model, ids, new - jump, meter=meter, **options)
+    report = meter.report()
+    if jump:
+        steps = [dataclasses.replace(s, step=s.step + jump) if s.step > 2 else s for s in report.timeline]
+        report = dataclasses.replace(report, timeline=steps)
+    return report, out.cache
 
 
 def peak_steps(
@@ -55,9 +79,14 @@ def peak_steps(
     step holds at least as much; except where a design reallocates only every few steps (prealloc's buffers and
     window moves every `block_tokens`, list's consolidation every `chunk_limit - 1`), and the last such step
     holds at least as much as any earlier one."""
-    period = {"prealloc": block_tokens, "list": chunk_limit}.get(cache, 1)
+    period = _period(cache, block_tokens, chunk_limit)
     last = new_tokens - 1
     return frozenset(step for step in (0, 1, *range(last - period + 1, last + 1)) if 0 <= step <= last)
+
+
+def _period(cache: str, block_tokens: int, chunk_limit: int) -> int:
+    """How many steps apart a design reallocates: 1 where it does so every step (or never)."""
+    return {"prealloc": block_tokens, "list": chunk_limit}.get(cache, 1)
 
 
 def skipping_forward(cache: str, new: int, cache_options: dict) -> SkippingForward:
@@ -86,9 +115,130 @@ class SkippingForward:
         shape = (fed[0], kept or fed[1], model.config.get_text_config(decoder=True).vocab_size)
         logits = torch.empty(shape, dtype=model.dtype if kept else torch.float32, device="meta")
         grown = KVCache.from_tuples(cache.to_tuples(), len(cache.layers)) if isinstance(cache, TupleCache) else cache
-        advance(grown, fed[1])
+        self.grow(grown, step, fed[1])
         returned = TupleCache.from_tuples(grown.to_tuples(), len(cache.layers)) if grown is not cache else cache
         return CausalLMOutputWithPast(logits=logits, **{CACHE_FIELD: grown}), returned
+
+    def grow(self, cache, step: int, tokens: int) -> None:
+        advance(cache, tokens)
+
+
+def bulk_skipping_forward(cache: str, new: int, cache_options: dict, jump: int = 0) -> BulkSkippingForward:
+    """The fast dry run's `step_forward` for a run of design `cache` (its `cache_options`) decoding `new` tokens,
+    `jump` steps of which are not looped (`dry_run`)."""
+    if not 0 <= jump <= max_jump(cache, new, cache_options):
+        raise ValueError(f"a dry run of {new} new tokens cannot jump {jump} steps")
+    return BulkSkippingForward(new - jump, _design_period(cache, cache_options), jump)
+
+
+def _design_period(cache: str, cache_options: dict) -> int:
+    return _period(
+        cache,
+        cache_options.get("block_tokens", DEFAULTS["block_tokens"]),
+        cache_options.get("chunk_limit", DEFAULTS["chunk_limit"]),
+    )
+
+
+def max_jump(cache: str, new: int, cache_options: dict) -> int:
+    """The most steps a bulk dry run can leave out of its loop: those between step 2 and the last `period`."""
+    return max(0, new - _design_period(cache, cache_options) - 3)
+
+
+class BulkSkippingForward(SkippingForward):
+    """`SkippingForward` with fewer forwards and no token-by-token growth before the last `period` steps: the
+    forward at steps 0, 1 and the last, and among the last `period` steps (`peak_steps`' window) only at the last
+    time each layer reallocates (`reallocates`: a list layer consolidating, a prealloc buffer growing, a window
+    moving), the steps between which every step holds what the one before held and a token more. The steps from 2
+    to the window's start add their tokens at step 2, in bulk (`advance_bulk`: the layers end as token-by-token
+    growth leaves them); the window's skipped steps a token each, so that its reallocations fall where they would.
+    tests/test_dry_run.py holds the kept steps against CPU runs' timelines and the answer against `SkippingForward`'s.
+    """
+
+    def __init__(self, new: int, period: int, jump: int = 0):
+        self.window = max(2, new - period)  # the first step of the last `period`
+        self.jump = jump  # steps left out of the loop (`dry_run`), whose tokens step 2 adds too
+        super().__init__(frozenset(step for step in (0, 1, new - 1) if step >= 0))
+
+    def __call__(self, step, model, cache, **inputs):
+        if self.runs_forward(step, cache):
+            return forward(model, cache, **inputs)
+        return super().__call__(step, model, cache, **inputs)
+
+    def runs_forward(self, step: int, cache) -> bool:
+        """At `step`, before it: 0, 1, the last, and in the window the last reallocation of a layer (the cache
+        says which: `reallocates`: one whose next reallocation, a period on, would come after the last step; a step
+        more is kept than that needs, and so is a prealloc layer's reallocation a period on from its first block,
+        which holds the prompt and fills sooner)."""
+        last = max(self.steps)
+        return step in self.steps or (step >= self.window and reallocates(cache, last - step - 1))
+
+    def grow(self, cache, step: int, tokens: int) -> None:
+        if step >= self.window:
+            advance(cache, tokens)
+        elif step == 2:  # every skipped step before the window: each feeds `tokens`
+            advance_bulk(cache, tokens * (self.window - 2 + self.jump))
+
+
+def reallocates(cache, steps_left: int | None = None) -> bool:
+    """Whether a layer of kvlab's periodic designs allocates anew at the next token (a list layer consolidates, a
+    prealloc buffer grows, a window buffer moves: kvlab.caches, the rules of their `update`); with `steps_left`,
+    only a layer that will not do so again in that many steps (its period on: the last time holds the most)."""
+    periods = [_reallocating(layer) for layer in cache.layers]
+    return any(period is not None and (steps_left is None or period > steps_left) for period in periods)
+
+
+def _reallocating(layer) -> int | None:
+    """The layer's period (steps from one reallocation to the next) if its next token reallocates; else None."""
+    if isinstance(layer, ListLayer):
+        return layer.chunk_limit - 1 if len(layer.key_chunks) + 1 >= layer.chunk_limit else None
+    if isinstance(layer, WindowLayer):
+        full = layer.key_buffer is None or layer.end + 1 > layer.sliding_window - 1 + layer.block_tokens
+        return layer.block_tokens if full else None
+    if isinstance(layer, PreallocLayer):
+        full = layer.key_buffer is None or layer.length + 1 > layer.key_buffer.shape[-2]
+        return layer.block_tokens if full else None
+    return None
+
+
+def advance_bulk(cache, tokens: int) -> None:
+    """`advance(cache, tokens)` in a few updates per layer, each layer left as `tokens` single-token updates leave
+    it (the same tensors, of the same shapes): the transient of the growth differs (one update's), which the dry
+    run's kept steps never hold. Per design: a prealloc buffer grows to the same block in one update; a list layer
+    gets its tokens up to its last consolidation as one chunk, joined as that consolidation joins them, then the
+    rest one by one; a window buffer's phase is its every token's, so it grows token by token; transformers' layers
+    get all but one token in one update and the last alone (a sliding layer keeps a view of the last update's
+    concatenation: its storage is the last update's size)."""
+    for layer in cache.layers:
+        if tokens < 1 or (held := _last_written(layer)) is None:
+            continue
+        like = [(t.shape, t.dtype, t.device) for t in held]  # keys and values: MLA's differ in width
+        del held
+        update = (
+            lambda n, layer=layer, like=like: layer.update(  # noqa: E731
+                *(torch.empty((*shape[:-2], n, shape[-1]), dtype=dtype, device=device) for shape, dtype, device in like)
+            )
+        )
+        for n in _bulk_updates(layer, tokens):
+            if n:
+                update(n)
+            else:  # a list layer's consolidation, as its update makes it: the chunks joined into one
+                layer.keys, layer.values = layer.keys, layer.values
+
+
+def _bulk_updates(layer, tokens: int) -> list[int]:
+    """The updates `advance_bulk` gives a layer, in tokens each; 0: a list layer's chunks joined."""
+    if isinstance(layer, WindowLayer):
+        return [1] * tokens
+    if isinstance(layer, PreallocLayer):
+        return [tokens]
+    if isinstance(layer, ListLayer):
+        # One at a time, the appends that consolidate are the (limit - chunks)-th and every (limit - 1)-th after.
+        first, every = layer.chunk_limit - len(layer.key_chunks), layer.chunk_limit - 1
+        if tokens < first:
+            return [1] * tokens
+        last = first + (tokens - first) // every * every
+        return [last, 0] + [1] * (tokens - last)
+    return [tokens - 1, 1] if tokens > 1 else [tokens]
 
 
 def advance(cache, tokens: int) -> None:
@@ -143,11 +293,11 @@ class DryRun:
         self.model = build_model(p["preset"], p["overrides"], "meta", p["dtype"], p["seed"])
 
     def overhead(self, design: dict) -> int:
-        return self.run(design)[0].overhead_bytes
+        return self.measure(design)[0].overhead_bytes
 
     def breakdown(self, design: dict) -> dict:
         bounded = MetaAsCpu.bounded
-        report, cache = self.run(design)
+        report, held = self.measure(design)
         routed = MetaAsCpu.bounded > bounded  # the routing was answered by its bound
         config, d = self.model.config, design
         kv_final = final_kv_bytes(config, d["batch"] * beams(dict(self.p, **d)), d["prompt"] + d["new"], d["dtype"])
@@ -155,22 +305,28 @@ class DryRun:
         return {
             "predicted_overhead_bytes": report.overhead_bytes,
             "kv_final_bytes": kv_final,
-            "cache_tokens_per_layer": theory.tokens_per_layer(held_tokens(cache)),
+            "cache_tokens_per_layer": theory.tokens_per_layer(held),
             "overhead_over_kv": over_kv(report.overhead_bytes, kv_final),
             "peak_at": f"step {peak_step} (dry run on meta{', routing bounded' if routed else ''})",
             **({"bound": ROUTING_BOUND} if routed else {}),
             "terms_bytes": {f"{part} at the peak": n for part, n in report.at_peak.items() if n and part != "weights"},
         }
 
-    def run(self, design: dict):
-        """The meta run of one design: (the meter's report, the cache it ends with)."""
+    def measure(self, design: dict):
+        """One design's count: (the meter's report, the tokens each layer's storage holds at the end)."""
+        report, cache = self.run(design)
+        return report, held_tokens(cache)
+
+    def run(self, design: dict, model=None, bulk: bool = False, jump: int = 0):
+        """The meta run of one design (of `model`, else the whole model; `bulk`, `jump`: as `dry_run`): (the
+        meter's report, the cache it ends with)."""
         d = design
         options = dict(
             block_tokens=d["block_tokens"], chunk_limit=d["chunk_limit"], max_cache_len=d["prompt"] + d["new"] - 1
         )
         strategy = decoding(d["strategy"], d["num_beams"])
         return dry_run(
-            self.model,
+            self.model if model is None else model,
             d["batch"],
             d["prompt"],
             d["new"],
@@ -179,24 +335,24 @@ class DryRun:
             strategy=strategy,
             cache_options=options,
             as_device=self.as_device(),
+            bulk=bulk,
+            jump=jump,
         )
 
 
-class TargetDryRun(DryRun):
-    """The dry run for the device planned for (kvlab.planner.meta.meta_as); on a CUDA GPU plus cuBLAS's workspace,
-    which the first matrix product allocates (kvlab.cuda_memory) and no meta forward shows."""
+class PlusWorkspace:
+    """A dry run for a CUDA target (`DryRun` or the fast one), plus cuBLAS's workspace, which a process's first matrix
+    product allocates through the caching allocator (kvlab.cuda_memory) and no meta forward shows."""
 
-    def __init__(self, p: dict, target):  # kvlab.planner.plan.Target: the device planned for
-        super().__init__(p, meta_as(target.device, target.threads, target.arch))
-        self.workspace = cublas_workspace(target.arch) if target.cuda else 0
+    def __init__(self, walk, workspace: int):
+        self.walk, self.workspace = walk, workspace
 
     def overhead(self, design: dict) -> int:
-        return super().overhead(design) + self.workspace
+        return self.walk.overhead(design) + self.workspace
 
     def breakdown(self, design: dict) -> dict:
-        row = super().breakdown(design)
-        if self.workspace:
-            row["predicted_overhead_bytes"] += self.workspace
-            row["terms_bytes"][theory.CUBLAS_TERM] = self.workspace
-            row["overhead_over_kv"] = over_kv(row["predicted_overhead_bytes"], row["kv_final_bytes"])
+        row = self.walk.breakdown(design)
+        row["predicted_overhead_bytes"] += self.workspace
+        row["terms_bytes"][theory.CUBLAS_TERM] = self.workspace
+        row["overhead_over_kv"] = over_kv(row["predicted_overhead_bytes"], row["kv_final_bytes"])
         return row

@@ -15,11 +15,11 @@ import torch
 
 from .. import theory
 from ..configs import is_hub_id
-from ..cuda_memory import CUDA_CONTEXT
+from ..cuda_memory import CUDA_CONTEXT, cublas_workspace
 from ..models import parse_dtype
 from ..schema import DESIGNS, POINT_KEYS, beams
 from . import plain
-from .meta import cpu_kernels, uncounted_workspace
+from .meta import cpu_kernels, meta_as, uncounted_workspace
 from .params import normalize, target_arch, target_threads
 
 GIB = 2**30
@@ -142,6 +142,7 @@ def predict(
     max_batch: bool = False,
     max_new: bool = False,
     dry_run: bool = False,
+    exact: bool = False,
     cache: str | None = None,
     loop: str | None = None,
     threads: int | None = None,
@@ -162,8 +163,10 @@ def predict(
     default, or "other": kvlab.cuda_memory), whose context (`CUDA_CONTEXT`) a "fits" answer counts beside the peak.
 
     The model types kvlab.theory models are walked term by term; every other decoder kvlab runs, or any with
-    `dry_run`, gets a dry run on the meta device (`DryRun`, as the device planned for allocates: kvlab.planner.meta):
-    within 8 bytes of a CPU run, slower (seconds per design).
+    `dry_run`, gets a dry run on the meta device, as the device planned for allocates (kvlab.planner.meta): of a
+    few layers, extrapolated to all (kvlab.planner.fast: within 1 % of the whole model's, well under a second per
+    design), or with `exact` of the whole model (`DryRun`: within 8 bytes of a CPU run, seconds per design, minutes
+    for a large model's every design).
     """
     if (max_batch or max_new) and memory is None:
         raise ValueError("--max-batch and --max-new answer for a memory size: give --memory too")
@@ -172,7 +175,7 @@ def predict(
     p = normalize(target=True, preset=preset, cache=cache, loop=loop, **point)
     target = Target(p["device"], named, target_threads(threads, p["device"]), target_arch(arch, p["device"]))
     target.threads_given = threads is not None  # else this machine's (target_threads), which the output says
-    return _predict(p, designs_for(cache, loop, p), memory, max_batch, max_new, dry_run, target)
+    return _predict(p, designs_for(cache, loop, p), memory, max_batch, max_new, dry_run or exact, target, exact)
 
 
 class Target:
@@ -204,13 +207,20 @@ def designs_for(cache: str | None, loop: str | None, p: dict) -> list[tuple[str,
 
 
 def _predict(
-    p: dict, designs, memory: int | None, max_batch: bool, max_new: bool, dry_run: bool, target: Target
+    p: dict,
+    designs,
+    memory: int | None,
+    max_batch: bool,
+    max_new: bool,
+    dry_run: bool,
+    target: Target,
+    exact: bool = False,
 ) -> Prediction:
     config = plain.config_for(p["preset"], p["overrides"])
     if config.model_type in theory.MODELED and not dry_run:
         walk = Theory(config, target.threads, target.arch)
     else:
-        walk = _dry_run(p, target)
+        walk = _dry_run(p, target, exact)
     weights = model_weight_bytes(config, p["dtype"])
     room = None if memory is None else memory - target.context  # what the caching allocator can hand out
     rows, refused = [], {}
@@ -265,10 +275,14 @@ def _predict(
     )
 
 
-def _dry_run(p: dict, target: Target):
-    from .dry_run import TargetDryRun  # it imports transformers' modelling code: only for a dry run
+def _dry_run(p: dict, target: Target, exact: bool):
+    """A dry run as the target allocates: of a few layers extrapolated, or (`exact`) of the whole model."""
+    from .dry_run import DryRun, PlusWorkspace  # they import transformers' modelling code: only for a dry run
+    from .fast import fast_or_exact
 
-    return TargetDryRun(p, target)
+    as_device = meta_as(target.device, target.threads, target.arch)  # makes a fresh mode for each run
+    walk = DryRun(p, as_device) if exact else fast_or_exact(p, as_device)
+    return PlusWorkspace(walk, cublas_workspace(target.arch)) if target.cuda else walk
 
 
 def _check_layers(config, cache: str) -> None:

@@ -1,0 +1,240 @@
+"""predict's fast dry run: the dry run (kvlab.planner.dry_run) of a model cut down to a few layers, its count
+extrapolated to every layer, within 1 % of the dry run of the whole model (tests/test_fast.py) in well under a
+second a design where the whole one takes 8-90 s.
+
+Where a whole-model dry run spends its time (profiled on Qwen3-30B-A3B, batch 8, prompt 32,000, 512 new, dynamic:
+34 s): three quarters growing each of 48 layers' caches a token at a time for every skipped step (each token an
+update under the meter and MetaAsCpu: ~0.8 ms), the rest forwarding 48 layers on meta (~37 ms a layer, every
+expert of 128 run) at each kept step; `list` and `prealloc` keep 50 and 32 steps more, hence 86 s and 35 s.
+Two cuts, each kept exact where it can be:
+
+- fewer steps, and no token-by-token growth (`BulkSkippingForward`): of the last `period` steps only those
+  where a layer reallocates run the forward (its cache object says which, before the step), and the steps from 2
+  to there add their tokens in bulk, each layer left with the tensors token-by-token growth leaves it. On meta
+  the same shapes are the same count: the kept steps are exact, the skipped ones' transients smaller.
+- fewer layers (`LayerCut`): a model's layers come in a few kinds (a layer's cache type and its modules' classes,
+  parameter shapes and settings: sliding or full attention, Mamba or attention, a dense MLP or experts). Bytes
+  held per layer add up (caches, and a layer's share of anything per layer), and the transients inside a forward
+  are one layer's at a time; so each step's peak is a + sum over kinds of b_k n_k for n_k layers of kind k, from
+  the second layer of a kind on (the first layer's transients differ: Qwen3-MoE's second layer holds 32 MB more
+  than its first at a 4,000-token prompt, its third no more than its second). One dry run of two layers of each
+  kind (the last layer of each kind in the model's order, after a copy of each: the peak inside the last layer,
+  or after it, sees every earlier layer's cache as in the whole model) gives the base; one more per kind with a
+  third layer of that kind in front gives b_k; each step's peak is extrapolated, and the highest is the answer.
+  What is not linear: a peak inside a layer while layers of another kind after it have not cached yet (the
+  prompt's step) counts those later layers' cache early, at most a few layers' share of the prompt's cache
+  (benchmarks/predict.py measures the error on six large models; tests/test_fast.py on small ones).
+
+kvlab.theory's closed forms stay what predict uses for the families it models; this walks every other decoder.
+A model whose layers read other layers' caches (KV sharing) cannot be cut; it gets the whole model's dry run.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+
+import torch
+from torch import nn
+
+from ..loops import decoding, generate
+from ..meter import MemoryMeter, MemoryReport, StepMemory, weight_bytes
+from ..models import build_model, layer_kinds
+from .dry_run import DryRun, SkippingForward, held_tokens, max_jump
+from .meta import MetaAsCpu
+
+# How many steps apart the two runs of the loop alone are (`FastDryRun._loop_bytes`).
+LOOP_STEPS = 4
+
+
+class Uncuttable(ValueError):
+    """A model `LayerCut` cannot cut down: the whole model's dry run answers."""
+
+
+class FastDryRun(DryRun):
+    """`DryRun`'s answer from dry runs of a model cut to a few layers (`LayerCut`), with bulk skipping."""
+
+    def __init__(self, p: dict, as_device=None):
+        if p["restart_new"]:
+            super().__init__(p)  # refuses, as the exact run does
+        self.p, self.as_device = p, as_device or (lambda: MetaAsCpu())  # a fresh mode for every run
+        self.cut = layer_cut(p["preset"], json.dumps(p["overrides"], sort_keys=True), p["dtype"], p["seed"])
+        self.model = self.cut.model
+
+    def measure(self, design: dict):
+        """`DryRun.measure` from the cut models' runs, each leaving out of its loop the steps `max_jump` allows."""
+        options = {key: design[key] for key in ("block_tokens", "chunk_limit")}
+        jump = max_jump(design["cache"], design["new"], options)
+        runs = [self._run(model, design, jump) for model in self.cut.models]
+        loop = self._loop_bytes(design) if jump else (0, 0)
+        reports = [report for report, _ in runs]
+        return self.cut.extrapolate(reports, [n * jump for n in loop]), self.cut.held([held for _, held in runs])
+
+    def _loop_bytes(self, design: dict) -> tuple[int, int]:
+        """Bytes a step more adds to what the loop's own tensors hold as a forward starts (the ids, positions, a
+        mask, beam search's buffers): (from the loop's start: buffers sized by the tokens to decode; after step 2:
+        those and what grows a token a step). From two runs of the loop alone, LOOP_STEPS steps apart: no forward,
+        no cache, the live bytes read as each step's forward would start."""
+        d, starts = design, []
+        for new in (4, 4 + LOOP_STEPS):
+            ids = torch.empty((d["batch"], d["prompt"]), dtype=torch.long, device="meta")
+            strategy = decoding(d["strategy"], d["num_beams"])
+            with self.as_device(), MemoryMeter("meta", self.cut.models[0]) as meter:
+                starts.append(live := [])
+                generate(self.cut.models[0], ids, new, cache="dynamic", loop=d["loop"], strategy=strategy,
+                         meter=meter, step_forward=_Reading(meter, live))  # fmt: skip
+        upfront = (starts[1][0] - starts[0][0]) // LOOP_STEPS
+        growth = (starts[1][3 + LOOP_STEPS] - starts[1][3]) // LOOP_STEPS
+        return upfront, upfront + growth
+
+    def _run(self, model, design: dict, jump: int):
+        report, cache = self.run(design, model=model, bulk=True, jump=jump)
+        return report, held_tokens(cache)
+
+
+class _Reading(SkippingForward):
+    """A `step_forward` that runs no forward and notes the meter's live bytes as each step's forward would start."""
+
+    def __init__(self, meter, live: list[int]):
+        super().__init__(frozenset())
+        self.meter, self.live = meter, live
+
+    def __call__(self, step, model, cache, **inputs):
+        self.live.append(self.meter.live_bytes())
+        return super().__call__(step, model, cache, **inputs)
+
+
+def fast_or_exact(p: dict, as_device=None) -> DryRun:
+    """The fast dry run where the model can be cut down, else the whole model's (each as `as_device` allocates)."""
+    try:
+        return FastDryRun(p, as_device)
+    except Uncuttable:
+        return DryRun(p, as_device)
+
+
+@functools.lru_cache(maxsize=8)
+def layer_cut(preset: str, overrides: str, dtype: str, seed: int) -> LayerCut:
+    """The cut of a model (built on meta once per process: a warm plan builds nothing)."""
+    return LayerCut(build_model(preset, json.loads(overrides), "meta", dtype, seed))
+
+
+class LayerCut:
+    """A decoder on meta and the few-layer models its dry run is extrapolated from (see the module's docstring):
+    `models[0]` holds the last layer of each kind, in the model's order, after one more of each kind that has more;
+    `models[1:]` each one more layer of one kind in front. `kinds[i]`: layer i's kind."""
+
+    def __init__(self, model):
+        self.model = model
+        decoder = model.get_decoder()
+        layers = getattr(decoder, "layers", None)
+        config = model.config
+        if not isinstance(layers, nn.ModuleList) or len(layers) != config.num_hidden_layers:
+            raise Uncuttable(f"{config.model_type}: no list of its decoder layers")
+        if getattr(config.get_text_config(decoder=True), "num_kv_shared_layers", 0):
+            raise Uncuttable(f"{config.model_type}: layers read other layers' caches")
+        cache_kinds = [repr(kind) for kind in layer_kinds(config)]
+        self.kinds = [(cache_kinds[i], _structure(layer)) for i, layer in enumerate(layers)]
+        last = {kind: i for i, kind in enumerate(self.kinds)}  # each kind's last layer
+        anchors = sorted(last.values())
+        self.counts = {kind: self.kinds.count(kind) for kind in last}
+        # kinds of more than two layers: models[1 + i] has one more layer of kind extra[i] than models[0]
+        self.extra = [self.kinds[i] for i in anchors if self.counts[self.kinds[i]] > 2]
+        base = [i for i in anchors if self.counts[self.kinds[i]] > 1] + anchors
+        self.models = [_cut(model, decoder, base, cache_kinds)]
+        self.models += [_cut(model, decoder, [last[kind], *base], cache_kinds) for kind in self.extra]
+        self.anchor_kinds = [self.kinds[i] for i in anchors]
+        self.base = len(base)
+        self.weights = weight_bytes(model)
+
+    def _linear(self, values: list[int]) -> int:
+        """The whole model's value from the cut models' (a + sum of (n_k - 2) b_k: the base holds two of each)."""
+        base = values[0]
+        return base + sum((self.counts[kind] - 2) * (v - base) for kind, v in zip(self.extra, values[1:]))
+
+    def extrapolate(self, reports: list[MemoryReport], left_out: list[int]) -> MemoryReport:
+        """The whole model's report from the cut models' runs: each step's bytes extrapolated in the layers, plus
+        what the loop's tensors of the steps left out of the runs' loops hold (`left_out`: at steps 0-2, and
+        after); the peak the highest step; what it holds (kv, logits, other) extrapolated from each run's split at
+        its peak, the loop's tensors left out counted as other."""
+        steps = [{s.step: s for s in report.timeline} for report in reports]
+        if len({tuple(timeline) for timeline in steps}) != 1:
+            raise RuntimeError("the cut models' dry runs stepped differently")
+
+        def per_step(step: int, field: str) -> int:
+            return self._linear([getattr(timeline[step], field) for timeline in steps]) + left_out[step > 2]
+
+        timeline = [StepMemory(step, per_step(step, "live_bytes"), per_step(step, "peak_bytes")) for step in steps[0]]
+        peak = max(timeline, key=lambda s: s.peak_bytes)
+        parts = {part for report in reports for part in report.at_peak if part != "weights"}
+        at_peak = {"weights": self.weights}
+        at_peak |= {part: self._linear([r.at_peak.get(part, 0) for r in reports]) for part in sorted(parts)}
+        at_peak["other"] = at_peak.get("other", 0) + left_out[peak.step > 2]
+        overhead = peak.peak_bytes
+        first = reports[0]
+        return MemoryReport(first.device, first.method, self.weights, self.weights + overhead, None, timeline, at_peak)
+
+    def held(self, held: list[list[int]]) -> list[int]:
+        """Tokens each of the whole model's layers holds: its kind's, in the first cut model."""
+        of_kind = dict(zip(self.anchor_kinds, held[0][self.base - len(self.anchor_kinds) :]))
+        return [of_kind[kind] for kind in self.kinds]
+
+
+def _structure(layer: nn.Module) -> tuple:
+    """What makes two decoder layers the same kind: each module's class, parameter shapes and plain settings
+    (a window, a layer type's name), all but the layer's index."""
+    return tuple(
+        (
+            name,
+            type(module).__name__,
+            tuple((key, tuple(p.shape), p.dtype) for key, p in module.named_parameters(recurse=False)),
+            tuple(
+                (key, value)
+                for key, value in sorted(vars(module).items())
+                if key not in ("layer_idx", "training") and isinstance(value, (str, int, float, bool, type(None)))
+            ),
+        )
+        for name, module in layer.named_modules()
+    )
+
+
+def _cut(model, decoder, indices: list[int], cache_kinds: list[str]):
+    """A model of `model`'s layers `indices` (copies, renumbered) and its other modules (shared: on meta they
+    hold no data), with a config of that many layers of those types."""
+    config = copy.deepcopy(model.config)
+    types = getattr(config, "layer_types", None)  # read first: Bamba's follow num_hidden_layers
+    config.num_hidden_layers = len(indices)
+    if hasattr(config, "attn_layer_indices") and config.attn_layer_indices:  # Bamba's types: from these indices
+        config.attn_layer_indices = [new for new, old in enumerate(indices) if old in config.attn_layer_indices]
+    elif isinstance(types, list):
+        try:
+            config.layer_types = [types[i] for i in indices]
+        except AttributeError:  # derived from other keys, in a spelling of that config's own (Jamba, Mamba-2)
+            raise Uncuttable(f"{config.model_type}: its layer types cannot be set") from None
+    if [repr(kind) for kind in layer_kinds(config)] != [cache_kinds[i] for i in indices]:
+        raise Uncuttable(f"{config.model_type}: a config of fewer layers gives them other cache types")
+    layers = nn.ModuleList(copy.deepcopy(decoder.layers[i], {id(model.config): config}) for i in indices)
+    for index, layer in enumerate(layers):
+        for module in layer.modules():
+            if hasattr(module, "layer_idx"):
+                module.layer_idx = index
+    cut_decoder = _shallow(decoder, layers=layers)
+    cut_decoder.config = config
+    name = next((name for name, child in model.named_children() if child is decoder), None)
+    if name is None:  # OPT's decoder inside its model
+        raise Uncuttable(f"{config.model_type}: its decoder is not a module of the model's own")
+    cut = _shallow(model, **{name: cut_decoder})
+    cut.config = config
+    return cut
+
+
+def _shallow(module: nn.Module, **children) -> nn.Module:
+    """A copy of `module` sharing its parameters and submodules but those in `children`, with hook and child
+    tables of its own (what is registered on the copy stays on the copy)."""
+    clone = copy.copy(module)
+    clone.__dict__ = {
+        key: copy.copy(value) if isinstance(value, dict) else value for key, value in vars(module).items()
+    }
+    for name, child in children.items():
+        clone._modules[name] = child
+    return clone

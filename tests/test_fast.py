@@ -1,0 +1,82 @@
+"""predict's fast dry run (kvlab.planner.fast) against the whole model's dry run (`exact=True`, itself held against
+CPU runs in tests/test_dry_run.py): within 1 % for every design, on small configs of each layout with more layers
+than the cut keeps (dense, sliding, MoE, latent attention, linear-attention and Mamba hybrids); and the steps
+the bulk skipping keeps hold the peak of a CPU run that decodes every step."""
+
+import pytest
+from test_architectures import RUN, SIZES
+from test_dry_run import DESIGNS, runnable
+from transformers import AutoConfig
+
+from kvlab.caches import forward
+from kvlab.loops import decoding, generate
+from kvlab.meter import MemoryMeter
+from kvlab.models import build_model, random_prompt
+from kvlab.planner.dry_run import BulkSkippingForward
+from kvlab.planner.plan import predict
+
+MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16, mamba_n_groups=1)
+# Each layout with more layers than the cut keeps (two of each kind, and one more), in the order its model has.
+LAYOUTS = {
+    "llama": dict(num_hidden_layers=6),
+    "gemma3_text": dict(num_hidden_layers=8, sliding_window=12, head_dim=16),  # 5 sliding, 1 full, 2 sliding
+    "qwen3_moe": dict(num_hidden_layers=5, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+    "deepseek_v3": dict(RUN["deepseek_v3"], num_hidden_layers=6, first_k_dense_replace=2),
+    "qwen3_next": dict(
+        RUN["qwen3_next"],
+        num_hidden_layers=8,
+        layer_types=["linear_attention"] * 3 + ["full_attention"] * 1 + ["linear_attention"] * 3 + ["full_attention"],
+    ),
+    "bamba": dict(MAMBA, num_hidden_layers=7, attn_layer_indices=[2, 5]),
+}
+POINT = dict(batch=2, prompt=40, new=30, block_tokens=8, chunk_limit=5)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fast")
+    for model_type, extra in LAYOUTS.items():
+        (root / model_type).mkdir()
+        AutoConfig.for_model(model_type, **{**SIZES, **extra}).to_json_file(root / model_type / "config.json")
+    return {model_type: str(root / model_type) for model_type in LAYOUTS}
+
+
+@pytest.mark.parametrize("model_type", LAYOUTS)
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+def test_the_fast_dry_run_is_within_1_percent_of_the_whole_models(folders, model_type, strategy):
+    point = dict(preset=folders[model_type], strategy=strategy, num_beams=3, dry_run=True, **POINT)
+    fast = {(d["cache"], d["loop"]): d for d in predict(**point)["designs"]}
+    exact = {(d["cache"], d["loop"]): d for d in predict(**point, exact=True)["designs"]}
+    designs = [design for design in DESIGNS if runnable(model_type, design[0], strategy) and design in exact]
+    assert designs and set(fast) == set(exact)
+    for design in designs:
+        f, e = fast[design], exact[design]
+        assert (
+            abs(f["predicted_overhead_bytes"] - e["predicted_overhead_bytes"]) <= 0.01 * e["predicted_overhead_bytes"]
+        ), design
+        assert f["cache_tokens_per_layer"] == e["cache_tokens_per_layer"], design
+        assert f["kv_final_bytes"] == e["kv_final_bytes"]
+
+
+@pytest.mark.parametrize("model_type", ["gemma3_text", "deepseek_v3", "qwen3_next"])
+@pytest.mark.parametrize("cache, loop", [("list", "v5"), ("prealloc", "v5"), ("list", "v4.42")])
+def test_the_bulk_skippings_kept_steps_hold_a_cpu_runs_peak(folders, model_type, cache, loop):
+    """On CPU, every step decoded: the highest step is one BulkSkippingForward would run the forward at (which it
+    decides from the cache before the step)."""
+    model = build_model(folders[model_type])
+    skipping = BulkSkippingForward(POINT["new"], POINT["block_tokens" if cache == "prealloc" else "chunk_limit"])
+    kept = set()
+
+    def every_step(step, model, kv, **inputs):
+        if skipping.runs_forward(step, kv):
+            kept.add(step)
+        return forward(model, kv, **inputs)
+
+    prompt = random_prompt(256, POINT["batch"], POINT["prompt"], 0)
+    options = dict(block_tokens=POINT["block_tokens"], chunk_limit=POINT["chunk_limit"])
+    with MemoryMeter("cpu", model) as meter:
+        generate(model, prompt, POINT["new"], cache=cache, loop=loop, strategy=decoding("greedy"), meter=meter,
+                 cache_options=options, step_forward=every_step)  # fmt: skip
+    peaks = {step.step: step.peak_bytes for step in meter.report().timeline}
+    assert len(kept) < len(peaks) - 15  # the claim skips most steps
+    assert max(peaks[step] for step in kept) == max(peaks.values())
