@@ -12,7 +12,8 @@ from test_architectures import SIZES
 from transformers import AutoConfig
 
 from kvlab.lab.point import run_point
-from kvlab.planner.plan import ROUTING_BOUND, predict
+from kvlab.planner.dry_run import ROUTING_BOUND
+from kvlab.planner.plan import predict
 from kvlab.releases import measure_references
 
 FFN = 384  # experts wider than the rest of the model, so that the expert loop holds the peak
