@@ -279,11 +279,11 @@ def test_an_empty_notebook_or_an_empty_error_costs_one_line(tmp_path, capsys, mo
 
 
 def test_kvlab_refusal_shows_only_kvlab_own_refusals():
-    from kvlab.loops import check_choice
     from kvlab.notebook.figures.encoder_decoder import kvlab_refusal
+    from kvlab.schema import check_choice
 
     found = kvlab_refusal(lambda: check_choice("cache", "nope", ("dynamic",)))
-    assert found.startswith("ValueError from kvlab.loops: ") and "nope" in found
+    assert found.startswith("ValueError from kvlab.schema: ") and "nope" in found
     with pytest.raises(ValueError, match="raised here"):  # a ValueError from outside kvlab is not a refusal
         kvlab_refusal(lambda: int("raised here"))
     with pytest.raises(AssertionError, match="accepted"):

@@ -72,7 +72,9 @@ def test_weights_in_closed_form_are_a_meta_model_s(preset, dtype):
     rotary buffers counted by storage)."""
     from kvlab.planner.plain import weight_bytes as closed_form
 
-    assert closed_form(plain_config(preset), dtype) == _meta_weights(load_config(preset), dtype)
+    config = load_config(preset)
+    assert closed_form(plain_config(preset), dtype) == _meta_weights(config, dtype)
+    assert closed_form(config, dtype) == _meta_weights(config, dtype)  # transformers' config counted the same way
 
 
 @pytest.mark.parametrize(

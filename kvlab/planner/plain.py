@@ -193,7 +193,8 @@ def _attention(c) -> int:
     GPT-OSS's sinks (one per head)."""
     q, kv = c.num_attention_heads * head_dim(c), c.num_key_value_heads * head_dim(c)
     weights = 2 * c.hidden_size * q + 2 * c.hidden_size * kv
-    bias = q + 2 * kv + (c.hidden_size if c.attention_bias else 0) if c.attention_bias or c.model_type == "qwen2" else 0
+    with_bias = getattr(c, "attention_bias", False)  # (Mistral's and Qwen2's config classes have no such field)
+    bias = q + 2 * kv + (c.hidden_size if with_bias else 0) if with_bias or c.model_type == "qwen2" else 0
     norms = 2 * head_dim(c) if c.model_type in ("qwen3", "gemma3_text") else 0
     sinks = c.num_attention_heads if c.model_type == "gpt_oss" else 0
     return weights + bias + norms + sinks
