@@ -94,6 +94,8 @@ VALUES_ONLY = frozenset(
     attn_logit_softcapping hidden_activation layer_types sliding_window_pattern router_aux_loss_coef
     output_router_logits swiglu_limit experts_per_token num_experts""".split()
 )
+# Of VALUES_ONLY, the keys that shape the layers: kept.
+SHAPES = ("layer_types", "sliding_window_pattern")
 
 
 class PlainConfig:
@@ -164,10 +166,6 @@ def _values(source: str) -> tuple[str, dict] | None:
         return None
     values.pop("model_type")
     return model_type, {key: value for key, value in values.items() if key in FAMILIES[model_type] or key in SHAPES}
-
-
-# Of VALUES_ONLY, the keys that shape the layers: kept.
-SHAPES = ("layer_types", "sliding_window_pattern")
 
 
 def config_for(source: str, overrides=""):
