@@ -14,7 +14,7 @@ __version__ = "0.1.0"
 # Imported on first use, not here: the real transformers 4.40.1 runs `python -m kvlab.lab.reference` in a
 # subprocess, and the lesson's modules need transformers 5.x.
 _PUBLIC = {
-    "build_model": "models",
+    "build_model": "planner.sources",
     "make_cache": "caches",
     "generate": "loops",
     "MemoryMeter": "meter",

@@ -1,14 +1,9 @@
-"""A model's config from a preset (kvlab.presets), a local config.json (or its folder) or a hub id, with
-`key=value` overrides checked before anything is built; every refusal is one line naming the choices."""
+"""A model's config from a preset (kvlab.presets), with `key=value` overrides checked before anything is built; every
+refusal is one line naming the choices. A local config.json (or its folder) or a hub id: kvlab.planner.sources."""
 
 from __future__ import annotations
 
 import contextlib
-import json
-import socket
-import sys
-from pathlib import Path
-from urllib.parse import urlparse
 
 from .presets import DECODERS, ENCODER_DECODERS, PRESETS
 
@@ -109,7 +104,7 @@ def _construct(config_class: type, values: dict, name: str, overrides: dict | No
         raise ValueError(f"the {name} config refuses {what}: {one_line(error)}") from None
 
 
-def _finish_config(config_class: type, values: dict, overrides, name: str):
+def finish_config(config_class: type, values: dict, overrides, name: str):
     """`config_class(**values)` with overrides checked and applied, built from the merged values so that derived
     sizes (head_dim = hidden_size / heads) follow an overridden hidden_size or head count."""
     overrides = parse_overrides(overrides)
@@ -142,10 +137,8 @@ def _finish_config(config_class: type, values: dict, overrides, name: str):
 
 
 def choices() -> str:
-    return (
-        f"{', '.join(DECODERS)} (decoders), {', '.join(ENCODER_DECODERS)} (encoder-decoders), a config.json "
-        "path or a hub id like Qwen/Qwen2.5-0.5B"
-    )
+    """The presets by kind (kvlab.planner.sources adds a config.json and a hub id)."""
+    return f"{', '.join(DECODERS)} (decoders), {', '.join(ENCODER_DECODERS)} (encoder-decoders)"
 
 
 def config_class(model_type: str) -> type:
@@ -158,124 +151,9 @@ def config_class(model_type: str) -> type:
 def build_config(preset: str, overrides=None):
     """The preset's config with overrides applied; raises before anything is allocated."""
     if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of: {choices()}")
-    model_type, values = PRESETS[preset]
-    return _finish_config(config_class(model_type), values, overrides, preset)
-
-
-def hub_reachable(timeout: float = 3.0) -> bool:
-    """Whether the Hugging Face hub answers at all: without network, transformers retries for ~25 s."""
-    from huggingface_hub import constants
-
-    if constants.HF_HUB_OFFLINE:
-        return False
-    try:
-        socket.create_connection((urlparse(constants.ENDPOINT).hostname, 443), timeout=timeout).close()
-        return True
-    except OSError:
-        return False
-
-
-def hub_error(name: str, online: bool) -> ValueError:
-    where = (
-        "the hub has no such model either"
-        if online
-        else "configs and weights cannot be downloaded here (no network to the Hugging Face hub)"
-    )
-    return ValueError(f"{name!r} is not in the local Hugging Face cache and {where}; choose one of: {choices()}")
-
-
-def is_hub_id(source: str) -> bool:
-    """`owner/name` with no such local path (nor a .json name): a model on the Hugging Face hub."""
-    if "/" not in source or source.endswith(".json") or Path(source).expanduser().exists():
-        return False
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    try:
-        validate_repo_id(source)
-    except HFValidationError:  # ./x/config.json, /abs/path, a/b/c: local paths
-        return False
-    return True
-
-
-def _hub_config(source: str):
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(source, local_files_only=True)
-    except OSError:
-        online = hub_reachable()
-        if online:
-            with contextlib.suppress(OSError):
-                return AutoConfig.from_pretrained(source)
-        raise hub_error(source, online) from None
-
-
-def _local_config(source: str):
-    """A config.json, or the folder holding one; what is wrong with it, named, in one line."""
-    path = Path(source).expanduser()
-    if not path.exists():
-        raise ValueError(f"{source}: no such file or folder; choose one of: {choices()}")
-    file = path / "config.json" if path.is_dir() else path
-    if not file.is_file():
-        raise ValueError(f"{path}: a folder without a config.json")
-    try:  # JSON first: its error says where the file breaks, transformers' does not
-        json.loads(file.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise ValueError(f"{file}: not a JSON file ({one_line(error)})") from None
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(file)
-    except Exception as error:  # any reason transformers gives (no model_type, a validator, a bad value): one line
-        raise ValueError(f"{file}: transformers refuses this config ({one_line(error)})") from None
-
-
-def check_decoder(config, source: str) -> None:
-    """Refuse, in one line, a config kvlab cannot decode with: an encoder-decoder (notebook 06 serves those), an
-    encoder-only model such as BERT (it reads text and generates none: its causal-LM head is a decoder only when
-    built as one, with is_decoder) and a model with no causal LM at all, such as a vision model (ViT)."""
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_MASKED_LM_MAPPING_NAMES,
-    )
-
-    kind = config.model_type
-    if config.is_encoder_decoder:
         raise ValueError(
-            f"{source} is an encoder-decoder model: measure, predict, compare and sweep run decoders; "
-            "notebook 06 serves them (kvlab.encdec)"
+            f"unknown preset {preset!r}; choose one of: {choices()} (a config.json or a hub id: "
+            "kvlab.planner.sources.load_config)"
         )
-    if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
-        why = f"{source} is an encoder-only model ({kind}): it reads text and generates none"
-    elif kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        why = f"{source} is not a text decoder ({kind}: transformers has no causal language model of it)"
-    else:
-        return
-    raise ValueError(f"{why}; kvlab measures generation: give a decoder, one of the presets {', '.join(DECODERS)}")
-
-
-def load_config(source: str, overrides=None):
-    """A config from a preset name, a local config.json (or its folder), or a hub id (local cache first, then the
-    hub if it can be reached); overrides checked and applied."""
-    if source in PRESETS:
-        return build_config(source, overrides)
-    if is_hub_id(source):
-        config = _hub_config(source)
-    elif "/" in source or source.endswith(".json") or Path(source).exists():
-        config = _local_config(source)
-    else:
-        return build_config(source, overrides)  # names the presets
-    text = config.get_text_config(decoder=True)
-    if text is not config and not config.is_encoder_decoder:
-        # An image-text checkpoint (Gemma-3's `gemma3`): the KV cache is its text decoder's, which is what is built.
-        print(
-            f"{source}: {config.model_type} is an image-text model; kvlab builds its text decoder "
-            f"({text.model_type}), without the vision tower",
-            file=sys.stderr,
-        )
-        config = text
-    finished = _finish_config(type(config), config.to_dict(), overrides, source)
-    if getattr(config, "_experts_implementation", None) and not getattr(finished, "_experts_implementation", None):
-        finished._experts_implementation = config._experts_implementation  # to_dict leaves out how experts run
-    return finished
+    model_type, values = PRESETS[preset]
+    return finish_config(config_class(model_type), values, overrides, preset)

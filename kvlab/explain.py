@@ -278,8 +278,8 @@ def explain_point(
 ) -> Explanation:
     """Explain one greedy point of whose generate() `generate_of` names: kvlab's loop ("kvlab", with `cache` and
     `loop`), this transformers' own ("installed"), or a release's own ("4.40.1", "4.42.4": in its own process)."""
-    from .configs import load_config
-    from .models import build_model, parse_dtype
+    from .models import parse_dtype
+    from .planner.sources import build_model, load_config
     from .releases import RELEASES, ROOT, install_reference, release_values
     from .schema import LOOPS, check_choice
 

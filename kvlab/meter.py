@@ -16,8 +16,11 @@ a kernel (on CPU; never silently missing).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import gc
 import itertools
+import os
+import sys
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -29,7 +32,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .counts import flash_scratch_bytes
-from .profiler import quiet_stderr
 
 CATEGORIES = ("weights", "kv", "logits", "other")
 KERNELS = "kernels"  # at the peak, blocks the allocator made that no op output shows: allocated inside a kernel
@@ -243,6 +245,21 @@ class Meter:
         if self._report is None:
             raise RuntimeError("the meter's report is ready once its `with` block has ended")
         return self._report
+
+
+@contextlib.contextmanager
+def quiet_stderr():
+    """Silence file descriptor 2 around the profiler's start and stop: Kineto (torch 2.13) writes lines there
+    whatever KINETO_LOG_LEVEL says, which would land in executed notebooks."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 class CpuAllocator:

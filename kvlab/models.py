@@ -1,5 +1,5 @@
-"""A model from a preset, a local config.json or a hub id: public config values, seeded random weights; the
-seeded prompt it is fed; the bytes of its KV cache.
+"""A model from a preset: public config values, seeded random weights; the seeded prompt it is fed; the bytes of its
+KV cache (a local config.json or a hub id: kvlab.planner.sources).
 
 Memory does not depend on weight values, so a model built from its public config with random weights
 allocates exactly what the real checkpoint would. The presets are kvlab.presets; reading and checking a
@@ -107,41 +107,37 @@ def instantiate(config, dtype: torch.dtype):
 
 
 def build_model(preset: str = "toy", overrides=None, device: str = "cpu", dtype: str = "float32", seed: int = 0):
-    """A model in eval mode (a decoder or an encoder–decoder): random weights (seeded) from a preset or a
-    local config.json; real weights for a hub id and for the presets of `kvlab.weights.REAL_WEIGHTS`."""
-    from .configs import hub_error, hub_reachable, is_hub_id, load_config
-    from .presets import ENCODER_DECODERS, vary_decoder
-    from .weights import REAL_WEIGHTS, load_state, state_file
+    """A model in eval mode (a decoder or an encoder–decoder) from a preset: seeded random weights, real ones for the
+    presets of `kvlab.weights.REAL_WEIGHTS`. A local config.json or a hub id: kvlab.planner.sources.build_model."""
+    from .configs import build_config
 
     check_device(device)
     torch_dtype = parse_dtype(dtype)
-    config = load_config(preset, overrides)
-    if is_hub_id(preset):
-        online = hub_reachable()
-        try:
-            # use_kernels=False: from 5.25 transformers swaps layers for the hub's `kernels` by default (and refuses
-            # without that package); kvlab measures transformers' own layers. 5.17-5.24 take it too (default False).
-            model = (
-                model_class(config)
-                .from_pretrained(
-                    preset, config=config, dtype=torch_dtype, use_kernels=False, local_files_only=not online
-                )
-                .to(device)
-            )
-        except OSError:
-            raise hub_error(preset, online) from None
-    else:
-        config._attn_implementation = attention_of(config)
-        torch.manual_seed(seed)
-        with torch.device(device):
-            model = instantiate(config, torch_dtype)
-        if preset in ENCODER_DECODERS:
-            vary_decoder(model)
-        if preset in REAL_WEIGHTS:
-            load_state(model, state_file(preset), torch_dtype)
+    return random_model(build_config(preset, overrides), device, torch_dtype, seed, preset)
+
+
+def random_model(config, device: str, dtype: torch.dtype, seed: int, preset: str | None = None):
+    """The model of `config` with weights drawn from `seed`, on `device`; a preset's own touches: the
+    encoder-decoders' scaling (kvlab.presets.vary_decoder), the real weights of kvlab.weights.REAL_WEIGHTS."""
+    from .presets import ENCODER_DECODERS, vary_decoder
+    from .weights import REAL_WEIGHTS, load_state, state_file
+
+    config._attn_implementation = attention_of(config)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = instantiate(config, dtype)
+    if preset in ENCODER_DECODERS:
+        vary_decoder(model)
+    if preset in REAL_WEIGHTS:
+        load_state(model, state_file(preset), dtype)
+    return ready_to_generate(model)
+
+
+def ready_to_generate(model):
+    """The model in eval mode, its generation config decoding every step asked for: no EOS, nothing suppressed."""
     g = model.generation_config
     g.eos_token_id = None
-    if config.is_encoder_decoder:  # greedy argmax and nothing else: Whisper's suppresses tokens at the first step
+    if model.config.is_encoder_decoder:  # greedy argmax and nothing else: Whisper's suppresses tokens at the first step
         g.forced_eos_token_id = g.begin_suppress_tokens = g.suppress_tokens = g.forced_decoder_ids = None
     else:
         g.pad_token_id = 0

@@ -10,30 +10,15 @@ read back through the public `export_chrome_trace`: a cross-check (about 4x a pl
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import sys
 import tempfile
 
 from torch.profiler import ProfilerActivity, profile
 
+from .meter import quiet_stderr
+
 CPU = 0  # the "Device Type" of a [memory] event (c10::DeviceType::CPU)
-
-
-@contextlib.contextmanager
-def quiet_stderr():
-    """Silence file descriptor 2 around the profiler's start and stop: Kineto (torch 2.13) writes lines there
-    whatever KINETO_LOG_LEVEL says, which would land in executed notebooks."""
-    sys.stderr.flush()
-    saved = os.dup(2)
-    try:
-        with open(os.devnull, "w") as null:
-            os.dup2(null.fileno(), 2)
-        yield
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
 
 
 class ProfiledAllocations:

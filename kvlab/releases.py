@@ -124,12 +124,13 @@ REFERENCE_KEYS = (
 )
 
 
-def measure_references(version: str, points: list[dict]) -> list[dict]:
+def measure_references(version: str, points: list[dict], load_config=None) -> list[dict]:
     """Run release `version`'s own `generate()` at each point (a dict of REFERENCE_KEYS and cache_implementation,
     the rest kvlab.schema.DEFAULTS) in one subprocess; return their measured records. The release is imported
-    once, and each point still builds its own model and prompt."""
+    once, and each point still builds its own model and prompt. `load_config(preset, overrides)`: a point's config,
+    kvlab.configs.build_config's of a preset unless given (kvlab.planner.sources.load_config: any source)."""
     # Here, not above: the worker's process imports this module under old releases, which these need not load.
-    from .configs import load_config, parse_overrides
+    from .configs import build_config, parse_overrides
     from .models import attention_of, final_kv_bytes, parse_dtype, resolve_device
     from .schema import check_choice
     from .weights import REAL_WEIGHTS, state_file
@@ -152,7 +153,8 @@ def measure_references(version: str, points: list[dict]) -> list[dict]:
                 f"a restart passes back the tuples a 4.x release returns, greedy; choose one of: {', '.join(RELEASES)}"
             )
         parse_dtype(p["dtype"])
-        config = load_config(p["preset"], p["overrides"])  # raises on a bad preset or override, before any subprocess
+        # raises on a bad preset or override, before any subprocess
+        config = (load_config or build_config)(p["preset"], p["overrides"])
         if version == INSTALLED:  # the same release: every value (layer_types, head_dim, experts, rope), as is
             values = {
                 key: value

@@ -31,8 +31,9 @@ from .compat import cache_from_outputs
 from .counts import element_size, head_dim, kv_heads, layer_bytes_per_token, sliding_windows, window_tokens
 from .explain import explain, generate_call
 from .meter import MemoryMeter, weight_bytes
-from .models import build_model, random_prompt
+from .models import random_prompt
 from .planner.dry_run import dry_run
+from .planner.sources import build_model
 from .presets import RANDOM_INIT_STD
 
 # One point for the cache savers: the Llama-2-7B twin (its widths / 32, its layers and ratios), bf16, batch 1,

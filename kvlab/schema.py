@@ -1,5 +1,5 @@
-"""The experiment point's schema: its designs, kinds, defaults and record fields. Plain Python, no torch: the
-store, the CLI, the plots and the predictor share it, and it loads in any process."""
+"""The experiment point's schema: its designs, kinds and defaults (a record's fields: kvlab.lab.store). Plain
+Python, no torch: the store, the CLI, the plots and the predictor share it, and it loads in any process."""
 
 from __future__ import annotations
 
@@ -77,50 +77,6 @@ EXPLAIN_DEFAULTS = dict(preset="toy", batch=2, prompt=16, new=8, dtype="float32"
 # (preset, overrides), whose code runs it (kind) and how the run is done (seed, meter, timing, force).
 POINT_KEYS = tuple(
     key for key in DEFAULTS if key not in ("kind", "preset", "overrides", "seed", "track_storages", "timing", "force")
-)
-# A record: the point's parameters (those below), then these fields, in results.csv's column order.
-RECORD_PARAMETERS = (
-    "preset",
-    "overrides",
-    "cache",
-    "loop",
-    "kind",
-    "runtime",
-    "strategy",
-    "batch",
-    "prompt",
-    "new",
-    "restart_new",
-    "restart_from",
-    "num_beams",
-    "device",
-    "dtype",
-)
-RECORD_FIELDS = (
-    "meter",
-    "baseline_bytes",
-    "peak_bytes",
-    "overhead_bytes",
-    "reserved_peak_bytes",
-    "storages_peak_bytes",
-    "kv_final_bytes",
-    "overhead_over_kv",
-    "predicted_overhead_bytes",
-    "prediction_error",
-    "kv_at_peak_bytes",
-    "logits_at_peak_bytes",
-    "other_at_peak_bytes",
-    "kernels_at_peak_bytes",
-    "seconds",
-    "tokens_per_s",
-    "graph_build_seconds",
-    "device_name",
-    "torch_version",
-    "transformers_version",
-    "kvlab_version",
-    "python_version",
-    "git_commit",
-    "measured_at",
 )
 
 

@@ -9,7 +9,8 @@ steps.
 How it reads: `peak_phases` walks a `Run` (what the point fixes) step by step; `CacheWalk` gives each forward's
 `Step` (what the cache holds around it); each phase is a function of the two (`_rotary_phase` ...
 `_beam_reorder_phase`), and what lives through the whole step is added to each (`_held_through_the_step`,
-`_previous_locals`). `breakdown` is the peak's terms for printing.
+`_previous_locals`). `breakdown` is the peak's terms for printing. The walk counts tensors on the CPU and meta;
+kvlab.planner.theory extends it to a CUDA GPU and to transformers' exported program.
 
 Units: t = bytes of one layer's keys (or values) for one token = rows x kv_heads x head_dim x dtype;
 one token of the whole cache is 2 x layers x t.
@@ -30,7 +31,6 @@ from .counts import (
     sliding_windows,
     window_tokens,
 )
-from .cuda_memory import block, cublas_workspace, reserved_estimate, sdpa_backend, sdpa_terms
 from .schema import DEFAULTS, LOOPS, POINT_KEYS, Release
 
 INT64 = 8
@@ -149,10 +149,11 @@ class Run:
         block_tokens: int,
         device: str = "cpu",
         threads: int | None = None,
-        arch: str = "hopper",
     ):
         self.s, self.release, self.windows, self.device = s, release, windows, device
-        self.threads, self.arch = threads, arch  # a CPU's torch threads (flash's scratch), a GPU's architecture
+        self.threads = threads  # a CPU's torch threads (flash's scratch)
+        # What SDPA allocates inside on a GPU, (run, step, masked, grouped) -> terms: kvlab.planner.theory's
+        self.gpu_kernel = None
         self.cache, self.strategy, self.runtime, self.restart_from = cache, strategy, runtime, restart_from
         self.prompt, self.new, self.restart_new = prompt, new, restart_new
         self.chunk_limit, self.block_tokens = chunk_limit, block_tokens
@@ -410,15 +411,10 @@ def _output_projection_phase(r: Run, step: Step) -> dict | None:
 
 def _inside_sdpa(r: Run, step: Step, masked: bool, grouped: bool) -> dict:
     """What the SDPA call allocates inside, beside its output, on the device the point runs on: a CPU's flash kernel
-    (`_cpu_flash_attention`), the kernel CUDA picks (kvlab.cuda_memory.sdpa_terms), nothing on meta (one op)."""
+    (`_cpu_flash_attention`), the kernel a GPU picks (`Run.gpu_kernel`), nothing on meta (one op)."""
     if r.device == "cpu":
         return _cpu_flash_attention(r, step, masked)
-    if r.device != "cuda":
-        return {}
-    s = r.s
-    backend = sdpa_backend(r.arch, s.e, s.head_dim, masked, grouped)
-    mask = r.mask_rows * step.fed * step.keys if masked else 0  # the bool mask's elements: (rows, 1, fed, keys)
-    return sdpa_terms(backend, s.rows, s.heads, step.fed, step.keys, s.head_dim, s.e, mask)
+    return r.gpu_kernel(r, step, masked, grouped) if r.gpu_kernel else {}
 
 
 def _cpu_flash_attention(r: Run, step: Step, masked: bool) -> dict:
@@ -619,41 +615,47 @@ def _previous_locals(r: Run, step: Step, phase: str) -> dict:
     return terms
 
 
-def peak_phases(config, threads: int | None = None, arch: str = "hopper", **point):
+def peak_phases(config, threads: int | None = None, **point):
     """Every phase's bytes above the weights; returns (peak, the phase that makes it, its terms, final KV, tokens
     each layer's storage holds at the end).
 
     `runtime` (kvlab.graphs): jit-trace is the tuple design under v5's loop (the caller holds the old
     tuple while the graph builds the new one); convert is the dynamic design plus the old tuple the
-    caller holds while the copied cache object grows; export has phases of its own (`_exported_peak`).
+    caller holds while the copied cache object grows (export's program: kvlab.planner.theory).
     `restart_from="tuples"`: the second call's cache object starts from the first call's tensors, which the
     caller's tuples keep alive for the whole call.
-    `device`: where the point runs; on CPU the attention phase holds what SDPA's flash kernel allocates inside (a
-    block per thread: `threads`, by default this process's torch threads); on CUDA what the kernel SDPA picks on a
-    GPU of `arch` allocates, every term a block of the caching allocator and cuBLAS's workspace (`_on_cuda`).
+    `device`: where the point runs, the CPU or meta (a CUDA GPU: kvlab.planner.theory); on CPU the attention phase
+    holds what SDPA's flash kernel allocates inside (a block per thread: `threads`, by default this process's torch
+    threads).
     `point`: the keys of kvlab.schema.POINT_KEYS, each defaulting to kvlab.schema.DEFAULTS' (device: cpu).
     """
+    p = lesson_point(point)
+    r = run_of(config, p, threads)
+    walk = CacheWalk(r)
+    kv_final = final_kv_bytes(config, r.s.rows, r.max_len, p["dtype"])
+    return (*largest_phase(walk_phases(r, walk)), kv_final, walk.held_tokens())
+
+
+def lesson_point(point: dict) -> dict:
+    """`design_point`, refusing what this walk leaves to kvlab.planner.theory: a CUDA GPU and an exported program."""
     p = design_point(point)
-    cache, loop, strategy, runtime, prompt, new, dtype = (
-        p[key] for key in ("cache", "loop", "strategy", "runtime", "prompt", "new", "dtype")
-    )
-    s = Shape(config, p["batch"], dtype, strategy, p["num_beams"])
-    device = str(p["device"]).split(":")[0]  # cuda:1 -> cuda
-    if runtime == "export":
-        peak, where, terms, held = _exported_peak(s, prompt, new)
-        if device == "cuda":
-            terms = _on_cuda(terms, arch, matrix_products_ran=True)
-        return sum(terms.values()), where, terms, final_kv_bytes(config, s.rows, prompt + new, dtype), held
-    r = _run(config, p, threads, arch)
-    walk, best = CacheWalk(r), (-1, None, None)
-    for step, name, terms in _walk_phases(r, walk):
+    if str(p["device"]).startswith("cuda") or p["runtime"] == "export":
+        what = "a CUDA GPU" if str(p["device"]).startswith("cuda") else "the exported program (runtime export)"
+        raise ValueError(f"kvlab.theory walks the CPU and meta; for {what}: kvlab.planner.theory")
+    return p
+
+
+def largest_phase(phases) -> tuple:
+    """(peak, where, terms) of the largest of `phases`: (step, phase, terms) as `walk_phases` yields them."""
+    best = (-1, None, None)
+    for step, name, terms in phases:
         total = sum(terms.values())
         if total > best[0]:
             best = (total, f"step {step.index} ({'restart ' if step.call else ''}{name})", terms)
-    return best[0], best[1], best[2], final_kv_bytes(config, s.rows, r.max_len, dtype), walk.held_tokens()
+    return best
 
 
-def _run(config, p: dict, threads: int | None, arch: str) -> Run:
+def run_of(config, p: dict, threads: int | None) -> Run:
     """The `Run` of a design point (every key given: `design_point`)."""
     return Run(
         Shape(config, p["batch"], p["dtype"], p["strategy"], p["num_beams"]),
@@ -670,73 +672,28 @@ def _run(config, p: dict, threads: int | None, arch: str) -> Run:
         block_tokens=p["block_tokens"],
         device=str(p["device"]).split(":")[0],  # cuda:1 -> cuda
         threads=threads,
-        arch=arch,
     )
 
 
-def _walk_phases(r: Run, walk: CacheWalk):
+def walk_phases(r: Run, walk: CacheWalk):
     """(step, phase, its terms with what lives through the step) for every phase of every step, in order."""
     for step in walk.steps():
         held = _held_through_the_step(r, step)
         for name, terms in _phases(r, walk, step).items():
-            terms = {**held, **_previous_locals(r, step, name), **terms}
-            if r.device == "cuda":  # the first forward's mask is built before its first matrix product
-                terms = _on_cuda(terms, r.arch, matrix_products_ran=step.index > 0 or name != "mask")
-            yield step, name, terms
+            yield step, name, {**held, **_previous_locals(r, step, name), **terms}
 
 
-def phase_terms(config, step: int, phase: str, threads: int | None = None, arch: str = "hopper", **point) -> dict:
+def phase_terms(config, step: int, phase: str, threads: int | None = None, **point) -> dict:
     """The terms of one phase of one step (`peak_phases` keeps the largest), e.g. a long prompt's attention."""
-    r = _run(config, design_point(point), threads, arch)
-    for at, name, terms in _walk_phases(r, CacheWalk(r)):
+    r = run_of(config, lesson_point(point), threads)
+    return terms_at(walk_phases(r, CacheWalk(r)), step, phase)
+
+
+def terms_at(phases, step: int, phase: str) -> dict:
+    for at, name, terms in phases:
         if at.index == step and name == phase:
             return terms
     raise ValueError(f"step {step} has no phase {phase!r} at this point")
-
-
-CUBLAS_TERM = "cuBLAS workspace (the process's first matrix product allocates it)"
-
-
-def _on_cuda(terms: dict, arch: str, matrix_products_ran: bool) -> dict:
-    """A phase's terms as the CUDA caching allocator counts them: each a block rounded up to 512 bytes (a term that
-    sums several tensors is rounded once: at most 511 bytes per tensor under the allocator's count), and cuBLAS's
-    workspace once the first matrix product has run (kvlab.cuda_memory)."""
-    terms = {name: block(int(value)) for name, value in terms.items()}
-    if matrix_products_ran:
-        terms[CUBLAS_TERM] = cublas_workspace(arch)
-    return terms
-
-
-def _exported_peak(s: Shape, prompt: int, new: int):
-    """transformers' exported static-cache program (kvlab.graphs, runtime export), greedy, one program for
-    the prompt and every step. Its buffers (prompt + new - 1 tokens) are written in place. The program is
-    an FX graph that frees each intermediate after its last use (the embeddings too, unlike the eager
-    forward); it returns every fed position's logits, and with a static cache the attention gets a mask,
-    so grouped-query models run SDPA on repeat_kv copies of the whole buffer."""
-    held, static_len = s.kv(prompt + new - 1), prompt + new - 1
-    groups = s.heads // s.kv_heads
-    copies = 2 * groups * s.t * static_len if groups > 1 else 0
-    best = (-1, None, None)
-    last = prompt + new - 1
-    for index, fed, length in ((0, prompt, prompt), (new - 1, 1, last)):
-        base = {"static cache buffers": held, "tokens (int64)": s.rows * length * INT64}
-        if index:
-            base["previous step's next-token logits (fp32)"] = s.rows * s.vocab * FP32
-        residual = s.rows * fed * s.hidden * s.e
-        phases = {
-            "attention": {
-                "repeat_kv copies of one layer (masked SDPA)": copies,
-                "residual stream, q, k and v": residual + s.rows * fed * (s.heads + 2 * s.kv_heads) * s.head_dim * s.e,
-            },
-            "mlp": {"gate, up and their product": 3 * s.rows * fed * s.intermediate * s.e, "residual stream": residual},
-            "lm_head": {"logits of every fed position": s.rows * fed * s.vocab * s.e, "final hidden states": residual},
-        }
-        for name, terms in phases.items():
-            terms = {**base, **terms}
-            total = sum(terms.values())
-            if total > best[0]:
-                best = (total, f"step {index} ({name})", terms)
-    return best[0], best[1], best[2], [last] * s.layers
 
 
 def design_point(point: dict) -> dict:
@@ -747,9 +704,9 @@ def design_point(point: dict) -> dict:
     return {**{key: DEFAULTS[key] for key in POINT_KEYS}, "device": "cpu", **point}
 
 
-def predict_overhead(config, threads: int | None = None, arch: str = "hopper", **point) -> int:
+def predict_overhead(config, threads: int | None = None, **point) -> int:
     """The predicted peak bytes above the weights for one point (see `peak_phases`)."""
-    return int(peak_phases(config, threads, arch, **point)[0])
+    return int(peak_phases(config, threads, **point)[0])
 
 
 def tokens_per_layer(held: list) -> str:
@@ -757,14 +714,16 @@ def tokens_per_layer(held: list) -> str:
     return " + ".join(f"{length} x {held.count(length)}" for length in sorted(set(held)))
 
 
-def breakdown(config, threads: int | None = None, arch: str = "hopper", **point) -> dict:
-    """The peak, where it happens and the terms that make it, for printing; on CUDA also the bytes the allocator
-    reserves for the peak's blocks (kvlab.cuda_memory.reserved_estimate: an estimate, a floor)."""
-    total, where, terms, kv_final, held = peak_phases(config, threads, arch, **point)
-    cuda = str(design_point(point)["device"]).startswith("cuda")
+def breakdown(config, threads: int | None = None, **point) -> dict:
+    """The peak, where it happens and the terms that make it, for printing."""
+    return explained(*peak_phases(config, threads, **point))
+
+
+def explained(total: int, where: str, terms: dict, kv_final: int, held: list, reserved: int | None = None) -> dict:
+    """`peak_phases`' answer as `breakdown` prints it (`reserved`: what a GPU's allocator reserves, if known)."""
     return {
         "predicted_overhead_bytes": int(total),
-        **({"reserved_estimate_bytes": reserved_estimate([v for v in terms.values() if v])} if cuda else {}),
+        **({"reserved_estimate_bytes": reserved} if reserved is not None else {}),
         "kv_final_bytes": kv_final,
         "cache_tokens_per_layer": tokens_per_layer(held),
         "overhead_over_kv": round(total / kv_final, 4),

@@ -27,7 +27,8 @@ from .compat import cache_argument
 from .counts import sliding_windows, window_tokens
 from .explain import explain, generate_call
 from .meter import MemoryMeter, weight_bytes
-from .models import build_model, kv_bytes_per_token, random_prompt
+from .models import kv_bytes_per_token, random_prompt
+from .planner.sources import build_model
 
 if TYPE_CHECKING:  # pandas is the lab extra's: cache_growth imports it where it builds its table
     import pandas as pd

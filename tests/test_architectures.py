@@ -11,8 +11,9 @@ from kvlab.caches import ATTENTION, CACHES
 from kvlab.compat import cache_from_outputs
 from kvlab.lab.point import run_point
 from kvlab.loops import LOOPS, decoding, generate
-from kvlab.models import assert_varied, build_model, final_kv_bytes, layer_kinds, random_prompt
+from kvlab.models import assert_varied, final_kv_bytes, layer_kinds, random_prompt
 from kvlab.planner.plan import predict
+from kvlab.planner.sources import build_model
 from kvlab.releases import measure_references
 from kvlab.savers import TINY
 from kvlab.schema import DEFAULTS

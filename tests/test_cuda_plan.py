@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import kvlab
-from kvlab import theory
 from kvlab.configs import build_config
+from kvlab.planner import theory
 
 DESIGN = Path(__file__).resolve().parents[1] / "data" / "design"
 GIB, MIB = 2**30, 2**20

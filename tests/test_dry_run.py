@@ -13,9 +13,10 @@ from transformers import AutoConfig
 from kvlab.lab.point import run_point
 from kvlab.loops import decoding, generate
 from kvlab.meter import MemoryMeter
-from kvlab.models import build_model, random_prompt
+from kvlab.models import random_prompt
 from kvlab.planner.dry_run import peak_steps
 from kvlab.planner.plan import predict
+from kvlab.planner.sources import build_model
 
 # A window shorter than the run, latent attention, linear attention beside full, KV sharing: the tiny configs of
 # tests/test_architectures.py, the windows shortened to 12.

@@ -11,9 +11,10 @@ from transformers import AutoConfig
 from kvlab.caches import forward
 from kvlab.loops import decoding, generate
 from kvlab.meter import MemoryMeter
-from kvlab.models import build_model, random_prompt
+from kvlab.models import random_prompt
 from kvlab.planner.dry_run import BulkSkippingForward
 from kvlab.planner.plan import predict
+from kvlab.planner.sources import build_model
 
 MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16, mamba_n_groups=1)
 # Each layout with more layers than the cut keeps (two of each kind, and one more), in the order its model has.

@@ -267,9 +267,9 @@ def test_cli_measures_a_runtime_and_refuses_a_design_it_cannot_carry():
 
 
 def test_the_gpu_sweep_is_valid_and_its_7b_points_are_predicted_as_on_the_twins():
-    from kvlab import theory
     from kvlab.configs import build_config
     from kvlab.lab.grid import expand, load_sweep, validate
+    from kvlab.planner import theory
 
     points = validate(expand(*load_sweep("gpu-graphs")), devices_here=False)
     assert all(p["device"] == "cuda" for p in points)

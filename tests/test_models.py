@@ -9,8 +9,9 @@ from transformers import (
     WhisperForConditionalGeneration,
 )
 
-from kvlab.configs import build_config, is_hub_id, load_config
+from kvlab.configs import build_config
 from kvlab.models import build_model
+from kvlab.planner.sources import is_hub_id, load_config
 from kvlab.presets import ENCODER_DECODERS, vary_decoder
 
 SMALL = {

@@ -15,6 +15,7 @@ from kvlab.configs import build_config
 from kvlab.lab.point import measure
 from kvlab.planner.params import normalize
 from kvlab.planner.plan import GIB, TooBig, largest_batch, parse_bytes
+from kvlab.planner.sources import load_config
 from kvlab.schema import DESIGNS
 
 LLAMA_PR_POINT = ["--preset", "llama2-7b", "--dtype", "bfloat16", "--batch", "8", "--prompt", "300", "--new", "500"]
@@ -138,9 +139,9 @@ def test_bad_memory_size():
 
 
 def test_a_hub_id_without_network_or_local_copy(monkeypatch):
-    monkeypatch.setattr("kvlab.configs.hub_reachable", lambda: False)
+    monkeypatch.setattr("kvlab.planner.sources.hub_reachable", lambda: False)
     with pytest.raises(ValueError, match="cannot be downloaded here .*toy, tinyllama-1.1b"):
-        kvlab.configs.load_config("nobody/no-such-model")
+        load_config("nobody/no-such-model")
 
 
 # -- refusing points that cannot fit ---------------------------------------------------------------

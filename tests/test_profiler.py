@@ -17,7 +17,8 @@ from kvlab.caches import CACHES
 from kvlab.explain import explain, generate_call
 from kvlab.loops import LOOPS, generate
 from kvlab.meter import LiveStorageCounter, MemoryMeter
-from kvlab.models import build_model, random_prompt
+from kvlab.models import random_prompt
+from kvlab.planner.sources import build_model
 from kvlab.profiler import ProfiledAllocations, profiler_peak
 
 F32 = 4

@@ -17,7 +17,8 @@ from kvlab.caches import cache_bytes, make_cache, sliding_windows
 from kvlab.configs import build_config
 from kvlab.lab.point import run_point
 from kvlab.loops import decoding, generate
-from kvlab.models import assert_varied, build_model, kv_bytes_per_token
+from kvlab.models import assert_varied, kv_bytes_per_token
+from kvlab.planner.sources import build_model
 from kvlab.releases import INSTALLED, measure_references
 
 WINDOW = 64

@@ -17,6 +17,7 @@ from kvlab.configs import build_config
 from kvlab.lab.point import measure, run_point
 from kvlab.meter import MemoryMeter
 from kvlab.models import build_model, final_kv_bytes, kv_bytes_per_token
+from kvlab.planner import theory as planned
 from kvlab.schema import DESIGNS
 
 CACHE_DOMINATED = dict(batch=4, prompt=64, new=128, timing=False)  # batch 8 gives the same ratios, to 4 digits
@@ -299,7 +300,8 @@ def test_theory_predicts_every_stored_kvlab_point_within_the_readmes_claim():
                 if key in row and pd.notna(row[key])
             }
             overrides = row["overrides"] if pd.notna(row["overrides"]) else None  # as the record keeps them: "k=v,k=v"
-            predicted = theory.predict_overhead(build_config(row["preset"], overrides), **point)
+            # kvlab.planner.theory: kvlab.theory's walk, and the exported program's phases (data/graphs)
+            predicted = planned.predict_overhead(build_config(row["preset"], overrides), **point)
             error = row["overhead_bytes"] / predicted - 1
             claim = 0.0008 if row.get("runtime") == "export" else 0.0003
             assert abs(error) <= claim, (path.parent.name, index, error)

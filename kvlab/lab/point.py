@@ -11,19 +11,21 @@ import gc
 
 import torch
 
-from .. import theory
 from ..caches import KVCache, num_layers
-from ..configs import load_config
 from ..loops import Sampling, decoding, generate
 from ..meter import MemoryMeter
-from ..models import build_model, final_kv_bytes, random_prompt
+from ..models import final_kv_bytes, random_prompt
+from ..planner import theory
 from ..planner.dry_run import skipping_forward
 from ..planner.meta import MetaAsCpu
 from ..planner.params import normalize
 from ..planner.plan import check_fits
+from ..planner.sources import build_model, load_config
 from ..releases import REFERENCE_KEYS, measure_references
-from ..schema import POINT_KEYS, RECORD_FIELDS, RECORD_PARAMETERS, REFERENCES, beams, over_kv
+from ..schema import POINT_KEYS, REFERENCES, beams, over_kv
+from ..theory import MODELED
 from .provenance import provenance
+from .store import RECORD_FIELDS, RECORD_PARAMETERS
 
 
 def run_point(model=None, **params) -> dict:
@@ -42,7 +44,7 @@ def measure(model=None, **params):
     if p["kind"] == "reference":  # the release's own generate() in a subprocess (kvlab.lab.reference), the same meter
         version, implementation = REFERENCES[(p["cache"], p["loop"])]
         point = dict({key: p[key] for key in REFERENCE_KEYS}, cache_implementation=implementation)
-        real = measure_references(version, [point])[0]
+        real = measure_references(version, [point], load_config)[0]
         # Provenance of this process, with the versions the subprocess really ran.
         origin = dict(
             provenance(p["device"]),
@@ -109,7 +111,7 @@ def _record(p: dict, config, measured: dict, seconds: float | None, origin: dict
     """The flat record of a measured point: its parameters, what the meter saw, KV, theory, speed, provenance."""
     kv_final = final_kv_bytes(config, p["batch"] * beams(p), p["prompt"] + p["new"] + p["restart_new"], p["dtype"])
     # No prediction rather than a wrong one for a model type the theory does not walk through.
-    modeled = config.model_type in theory.MODELED
+    modeled = config.model_type in MODELED
     predicted = theory.predict_overhead(config, **{k: p[k] for k in POINT_KEYS}) if modeled else None
     overhead = measured["overhead_bytes"]
     # The theory predicts tensors (and SDPA's scratch): on CPU the live-storage count's peak, not what other

@@ -21,7 +21,54 @@ from pathlib import Path
 from filelock import FileLock
 
 from ..results import STATUSES, table_rows
-from ..schema import DEFAULTS, RECORD_FIELDS
+from ..schema import DEFAULTS
+
+# A point's record (kvlab.lab.point.measure): its parameters (those below), then these fields, in results.csv's
+# column order.
+RECORD_PARAMETERS = (
+    "preset",
+    "overrides",
+    "cache",
+    "loop",
+    "kind",
+    "runtime",
+    "strategy",
+    "batch",
+    "prompt",
+    "new",
+    "restart_new",
+    "restart_from",
+    "num_beams",
+    "device",
+    "dtype",
+)
+RECORD_FIELDS = (
+    "meter",
+    "baseline_bytes",
+    "peak_bytes",
+    "overhead_bytes",
+    "reserved_peak_bytes",
+    "storages_peak_bytes",
+    "kv_final_bytes",
+    "overhead_over_kv",
+    "predicted_overhead_bytes",
+    "prediction_error",
+    "kv_at_peak_bytes",
+    "logits_at_peak_bytes",
+    "other_at_peak_bytes",
+    "kernels_at_peak_bytes",
+    "seconds",
+    "tokens_per_s",
+    "graph_build_seconds",
+    "device_name",
+    "torch_version",
+    "transformers_version",
+    "kvlab_version",
+    "python_version",
+    "git_commit",
+    "measured_at",
+)
+
 
 # Fixed column order, so rows appended by different runs (and failure rows) stay aligned.
 COLUMNS = ["point_id", "status", "error", "started_at", "elapsed_s", "notebook", *DEFAULTS, *RECORD_FIELDS]

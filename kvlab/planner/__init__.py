@@ -1,6 +1,10 @@
 """The planner: the peak of a `generate()` call before it runs, above the lesson's modules and below the lab, the
 savers and the command line.
 
+    sources  a config and a model from a preset, a local config.json or a hub id (`load_config`, `build_model`:
+             `kvlab.build_model`); a config kvlab cannot decode with refused (`check_decoder`)
+    theory   kvlab.theory's walk on a CUDA GPU (SDPA's kernels, the caching allocator's blocks, cuBLAS's workspace)
+             and for transformers' exported program: `predict_overhead`, `breakdown` on any device
     params   a point's parameters checked in one place, defaults filled (`normalize`); the device a prediction
              plans for, whatever this machine has (`target_device`, `target_threads`, `target_arch`)
     meta     the CPU or a CUDA GPU on the meta device (`MetaAsCpu`, `MetaAsCuda`), and the CPU's kernel library a

@@ -16,9 +16,11 @@ from .. import theory
 from ..caches import KVCache, ListLayer, PreallocLayer, TupleCache, WindowLayer, forward
 from ..loops import decoding, generate
 from ..meter import MemoryMeter
-from ..models import build_model, final_kv_bytes
+from ..models import final_kv_bytes
 from ..schema import DEFAULTS, beams, over_kv
 from .meta import MetaAsCpu
+from .sources import build_model
+from .theory import CUBLAS_TERM
 
 # The output field that carries the cache back: renamed `cache` in 5.24 (kvlab.compat reads either).
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -353,6 +355,6 @@ class PlusWorkspace:
     def breakdown(self, design: dict) -> dict:
         row = self.walk.breakdown(design)
         row["predicted_overhead_bytes"] += self.workspace
-        row["terms_bytes"][theory.CUBLAS_TERM] = self.workspace
+        row["terms_bytes"][CUBLAS_TERM] = self.workspace
         row["overhead_over_kv"] = over_kv(row["predicted_overhead_bytes"], row["kv_final_bytes"])
         return row

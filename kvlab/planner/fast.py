@@ -40,9 +40,10 @@ from torch import nn
 
 from ..loops import decoding, generate
 from ..meter import MemoryMeter, MemoryReport, StepMemory, weight_bytes
-from ..models import build_model, layer_kinds
+from ..models import layer_kinds
 from .dry_run import DryRun, SkippingForward, held_tokens, max_jump
 from .meta import MetaAsCpu
+from .sources import build_model
 
 # How many steps apart the two runs of the loop alone are (`FastDryRun._loop_bytes`).
 LOOP_STEPS = 4

@@ -7,11 +7,12 @@ import numbers
 
 import torch
 
-from ..configs import check_decoder, parse_overrides
+from ..configs import parse_overrides
 from ..cuda_memory import ARCHES
 from ..models import check_device, parse_dtype, resolve_device
 from ..schema import CACHES, DEFAULTS, KINDS, LOOPS, REFERENCES, RESTART_FROM, STRATEGIES, check_choice, is_true
 from .plain import PlainConfig, config_for
+from .sources import check_decoder
 
 # The least and the most of each size, and why the most: past these no question kvlab answers is real, and the
 # walks over every decoding step (kvlab.theory, the meta dry run, the loop) would run for minutes or exhaust memory.

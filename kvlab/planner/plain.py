@@ -12,9 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ..configs import DERIVED, check_sizes, load_config, parse_overrides
+from ..configs import DERIVED, check_sizes, parse_overrides
 from ..counts import element_size, head_dim
 from ..presets import DECODERS
+from .sources import load_config
 
 # transformers 5.x's class defaults of the fields the theory and the weights read (its config classes' signatures).
 _DENSE = dict(tie_word_embeddings=False, head_dim=None, attention_bias=False, mlp_bias=False)
@@ -170,7 +171,7 @@ def _values(source: str) -> tuple[str, dict] | None:
 
 def config_for(source: str, overrides=""):
     """A PlainConfig where one answers (kvlab.theory's families, from a preset or a config.json), else transformers'
-    config (kvlab.configs.load_config): a prediction imports transformers only for what it needs it for."""
+    config (kvlab.planner.sources.load_config): a prediction imports transformers only for what it needs it for."""
     return plain_config(source, overrides) or load_config(source, overrides)
 
 

@@ -13,14 +13,14 @@ import re
 
 import torch
 
-from .. import theory
-from ..configs import is_hub_id
 from ..cuda_memory import CUDA_CONTEXT, cublas_workspace
 from ..models import parse_dtype
 from ..schema import DESIGNS, POINT_KEYS, beams
-from . import plain
+from ..theory import MODELED
+from . import plain, theory
 from .meta import cpu_kernels, meta_as, uncounted_workspace
 from .params import normalize, target_arch, target_threads
+from .sources import is_hub_id
 
 GIB = 2**30
 UNITS = {
@@ -217,7 +217,7 @@ def _predict(
     exact: bool = False,
 ) -> Prediction:
     config = plain.config_for(p["preset"], p["overrides"])
-    if config.model_type in theory.MODELED and not dry_run:
+    if config.model_type in MODELED and not dry_run:
         walk = Theory(config, target.threads, target.arch)
     else:
         walk = _dry_run(p, target, exact)
@@ -440,7 +440,7 @@ def check_fits(p: dict, model=None) -> None:
         if is_hub_id(p["preset"]):  # no config to predict from; loading the model will say why
             return
         raise
-    if getattr(config, "model_type", None) not in theory.MODELED:
+    if getattr(config, "model_type", None) not in MODELED:
         return
     weights = 0 if model is not None else model_weight_bytes(config, p["dtype"])
     overhead = theory.predict_overhead(config, **point_of(p))

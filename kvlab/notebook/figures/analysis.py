@@ -32,7 +32,8 @@ def _config(row):
 def refresh_predictions(df: pd.DataFrame) -> pd.DataFrame:
     """`predicted_overhead_bytes` from the installed kvlab.theory, the recorded one kept as
     `recorded_prediction_bytes`: a prediction is a function of the parameters, so it follows the theory as it
-    improves without measuring again."""
+    improves without measuring again. The lesson's walk predicts for the CPU and meta; a CUDA point's prediction is
+    kvlab.planner.theory's, recorded as it was measured (`python -m kvlab compare` keeps it)."""
 
     def predict(row):
         return theory.predict_overhead(_config(row), **{key: row[key] for key in schema.POINT_KEYS if key in row})
