@@ -18,7 +18,7 @@ from ..loops import decoding, generate
 from ..meter import MemoryMeter
 from ..models import build_model, final_kv_bytes
 from ..schema import DEFAULTS, beams, over_kv
-from .meta import MetaAsCpu
+from .meta import KnownShapes, MetaAsCpu
 
 # The output field that carries the cache back: renamed `cache` in 5.24 (kvlab.compat reads either).
 CACHE_FIELD = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
@@ -57,7 +57,7 @@ def dry_run(
         options = dict(options, step_forward=make(cache, new, cache_options))
     elif jump:
         raise ValueError("a dry run jumps steps only when it skips them in bulk")
-    with as_device or MetaAsCpu(), MemoryMeter("meta", model) as meter:
+    with as_device or MetaAsCpu(), KnownShapes(), MemoryMeter("meta", model) as meter:
         out = generate(model, ids, new - jump, meter=meter, **options)
     report = meter.report()
     if jump:
@@ -205,30 +205,27 @@ def advance_bulk(cache, tokens: int) -> None:
     it (the same tensors, of the same shapes): the transient of the growth differs (one update's), which the dry
     run's kept steps never hold. Per design: a prealloc buffer grows to the same block in one update; a list layer
     gets its tokens up to its last consolidation as one chunk, joined as that consolidation joins them, then the
-    rest one by one; a window buffer's phase is its every token's, so it grows token by token; transformers' layers
-    get all but one token in one update and the last alone (a sliding layer keeps a view of the last update's
-    concatenation: its storage is the last update's size)."""
+    rest one by one; a window buffer's phase is its every token's, so it grows token by token, but only until its
+    phase repeats (`_advance_window`); transformers' layers get all but one token in one update and the last alone
+    (a sliding layer keeps a view of the last update's concatenation: its storage is the last update's size)."""
     for layer in cache.layers:
         if tokens < 1 or (held := _last_written(layer)) is None:
             continue
         like = [(t.shape, t.dtype, t.device) for t in held]  # keys and values: MLA's differ in width
         del held
-        update = (
-            lambda n, layer=layer, like=like: layer.update(  # noqa: E731
-                *(torch.empty((*shape[:-2], n, shape[-1]), dtype=dtype, device=device) for shape, dtype, device in like)
-            )
-        )
+        grow = functools.partial(_grow, layer, like)
+        if isinstance(layer, WindowLayer):
+            _advance_window(layer, tokens, grow)
+            continue
         for n in _bulk_updates(layer, tokens):
             if n:
-                update(n)
+                grow(n)
             else:  # a list layer's consolidation, as its update makes it: the chunks joined into one
                 layer.keys, layer.values = layer.keys, layer.values
 
 
 def _bulk_updates(layer, tokens: int) -> list[int]:
     """The updates `advance_bulk` gives a layer, in tokens each; 0: a list layer's chunks joined."""
-    if isinstance(layer, WindowLayer):
-        return [1] * tokens
     if isinstance(layer, PreallocLayer):
         return [tokens]
     if isinstance(layer, ListLayer):
@@ -241,18 +238,58 @@ def _bulk_updates(layer, tokens: int) -> list[int]:
     return [tokens - 1, 1] if tokens > 1 else [tokens]
 
 
+def _advance_window(layer: WindowLayer, tokens: int, grow) -> None:
+    """`tokens` single-token updates of a window layer, looped only until its phase repeats. After its first update
+    its buffer is never reallocated, and where the next token goes (`start`, `end`) is a function of where the last
+    one went (kvlab.caches.WindowLayer.update): from a repeated phase on, the updates cycle, and the whole cycles
+    still to come would leave the layer as it is but for the tokens it has seen (`cumulative_length`)."""
+    seen: dict[tuple[int, int], int] = {}
+    done = 0
+    while done < tokens:
+        phase = (layer.start, layer.end)
+        if phase in seen:
+            period = done - seen[phase]
+            skipped = (tokens - done) // period * period
+            layer.cumulative_length += skipped
+            done += skipped
+            seen.clear()
+            if done == tokens:
+                break
+        seen[phase] = done
+        grow(1)
+        done += 1
+
+
+def _grow(layer, like, tokens: int) -> None:
+    """One update of `layer` by `tokens` new tokens of the shapes and dtypes `like` (keys', values'). A list layer
+    appends them as its update does, without the join its update returns for attention, which no skipped step
+    runs (a transient of the layer's size, and half of a skipped step's time)."""
+    keys, values = (
+        torch.empty((*shape[:-2], tokens, shape[-1]), dtype=dtype, device=device) for shape, dtype, device in like
+    )
+    if not isinstance(layer, ListLayer):
+        layer.update(keys, values)
+        return
+    layer.key_chunks.append(keys)
+    layer.value_chunks.append(values)
+    if len(layer.key_chunks) >= layer.chunk_limit:  # ListLayer.update's consolidation
+        layer.key_chunks = [torch.cat(layer.key_chunks, dim=-2)]
+        layer.value_chunks = [torch.cat(layer.value_chunks, dim=-2)]
+
+
 def advance(cache, tokens: int) -> None:
     """Grow every attention layer of `cache` by `tokens` tokens, one at a time as decoding steps add them, without
-    a forward: on meta, where no value is read, this is what a step the dry run skips leaves behind.
-    Recurrent state does not grow; a layer that caches nothing is left alone."""
+    a forward: on meta, where no value is read, this is what a step the dry run skips leaves behind (but for the
+    transients of a list layer's update, `_grow`). Recurrent state does not grow; a layer that caches nothing is
+    left alone."""
     for layer in cache.layers:
         if (held := _last_written(layer)) is None:
             continue
         # Shapes, not the tensors: holding the layer's old keys and values would keep them alive while it grows.
-        token = [((*t.shape[:-2], 1, t.shape[-1]), t.dtype, t.device) for t in held]
+        like = [(t.shape, t.dtype, t.device) for t in held]
         del held
         for _ in range(tokens):
-            layer.update(*(torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in token))
+            _grow(layer, like, 1)
 
 
 def _last_written(layer) -> tuple[torch.Tensor, torch.Tensor] | None:

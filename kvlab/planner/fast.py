@@ -43,6 +43,7 @@ from ..meter import MemoryMeter, MemoryReport, StepMemory, weight_bytes
 from ..models import build_model, layer_kinds
 from .dry_run import DryRun, SkippingForward, held_tokens, max_jump
 from .meta import MetaAsCpu
+from .scans import short_scans
 
 # How many steps apart the two runs of the loop alone are (`FastDryRun._loop_bytes`).
 LOOP_STEPS = 4
@@ -89,7 +90,8 @@ class FastDryRun(DryRun):
         return upfront, upfront + growth
 
     def _run(self, model, design: dict, jump: int):
-        report, cache = self.run(design, model=model, bulk=True, jump=jump)
+        with short_scans(model):  # a prompt's scan over its chunks in two of them (kvlab.planner.scans)
+            report, cache = self.run(design, model=model, bulk=True, jump=jump)
         return report, held_tokens(cache)
 
 
