@@ -60,6 +60,8 @@ class MetaAsCpu(TorchFunctionMode):
             torch.set_num_threads(self._threads_before)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is _UNTYPED_STORAGE:  # no data, no tensor: what the meter asks of every cache tensor every step
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         routed = bool(self._routed) and any(
             isinstance(leaf, torch.Tensor) and id(leaf) in self._routed for leaf in tree_leaves((args, kwargs))
@@ -131,6 +133,9 @@ class MetaAsCpu(TorchFunctionMode):
             attn_mask=mask,
             scale=kwargs.get("scale"),
         )[0]
+
+
+_UNTYPED_STORAGE = torch.Tensor.untyped_storage
 
 
 class MetaAsCuda(MetaAsCpu):
