@@ -1,7 +1,8 @@
 """predict's fast dry run (kvlab.planner.fast) against the whole model's dry run (`exact=True`, itself held against
 CPU runs in tests/test_dry_run.py): within 1 % for every design, on small configs of each layout with more layers
-than the cut keeps (dense, sliding, MoE, latent attention, linear-attention and Mamba hybrids); and the steps
-the bulk skipping keeps hold the peak of a CPU run that decodes every step."""
+than the cut keeps (dense, sliding, MoE, latent attention, linear-attention and Mamba hybrids), and of a prompt
+of several of the gated delta rule's chunks; the steps the bulk skipping keeps hold the peak of a CPU run that
+decodes every step; and a short scan (kvlab.planner.scans) counts what the whole one does."""
 
 import importlib
 from pathlib import Path
@@ -17,7 +18,7 @@ from kvlab.caches import forward
 from kvlab.loops import decoding, generate
 from kvlab.meter import MemoryMeter
 from kvlab.models import build_model, random_prompt
-from kvlab.planner.dry_run import BulkSkippingForward
+from kvlab.planner.dry_run import ForwardRule, bulk_plan
 from kvlab.planner.meta import MetaAsCpu
 from kvlab.planner.plan import predict
 from kvlab.planner.scans import ITERATIONS, SCANS, _reference, short_scans, shortened
@@ -68,14 +69,14 @@ def test_the_fast_dry_run_is_within_1_percent_of_the_whole_models(folders, model
 @pytest.mark.parametrize("model_type", ["gemma3_text", "deepseek_v3", "qwen3_next"])
 @pytest.mark.parametrize("cache, loop", [("list", "v5"), ("prealloc", "v5"), ("list", "v4.42")])
 def test_the_bulk_skippings_kept_steps_hold_a_cpu_runs_peak(folders, model_type, cache, loop):
-    """On CPU, every step decoded: the highest step is one BulkSkippingForward would run the forward at (which it
-    decides from the cache before the step)."""
+    """On CPU, every step decoded: the highest step is one the bulk dry run runs the forward at (ForwardRule, asked
+    of the cache before the step), and its plan (bulk_plan) finds those steps."""
     model = build_model(folders[model_type])
-    skipping = BulkSkippingForward(POINT["new"], POINT["block_tokens" if cache == "prealloc" else "chunk_limit"])
+    rule = ForwardRule(POINT["new"], POINT["block_tokens" if cache == "prealloc" else "chunk_limit"])
     kept = set()
 
     def every_step(step, model, kv, **inputs):
-        if skipping.runs_forward(step, kv):
+        if rule(step, kv):
             kept.add(step)
         return forward(model, kv, **inputs)
 
@@ -87,6 +88,9 @@ def test_the_bulk_skippings_kept_steps_hold_a_cpu_runs_peak(folders, model_type,
     peaks = {step.step: step.peak_bytes for step in meter.report().timeline}
     assert len(kept) < len(peaks) - 15  # the claim skips most steps
     assert max(peaks[step] for step in kept) == max(peaks.values())
+    # the bulk dry run's plan, from a stand-in cache, keeps the steps the run's own cache says
+    options = dict(options, max_cache_len=POINT["prompt"] + POINT["new"] - 1)
+    assert bulk_plan(model, cache, POINT["prompt"], POINT["new"], options).kept == kept
 
 
 def _scan_modules() -> list[str]:
