@@ -214,8 +214,8 @@ def _makes_new(func) -> bool:
 
 
 def _key(func, args, kwargs):
-    """What a meta kernel's answer depends on: the op, each tensor's shape, stride, dtype and device, each other
-    argument's type and value; None where an argument is of a kind not told apart here."""
+    """What a meta kernel's answer depends on: the op, the default dtype, each (meta) tensor's shape, stride and
+    dtype, each other argument's type and value; None where an argument is of a kind not told apart here."""
     try:  # factories given no dtype make the default one
         return (func, torch.get_default_dtype(), *map(_described, args), *map(_described, kwargs.items()))
     except _Unknown:
@@ -223,7 +223,7 @@ def _key(func, args, kwargs):
 
 
 class _Unknown(Exception):
-    pass
+    """An argument `_key` does not tell apart (a tensor off meta, an object): the kernel answers."""
 
 
 _PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
