@@ -5,9 +5,11 @@
 
 For each config (a name under benchmarks/configs/, or a config.json path) and cache design, in one process:
 the first fast call for the design (cold in the process; the config's first design also builds the model and its
-cut), a second one (warm), and the whole model's dry run (`exact=True`, the reference: tens of seconds a design
-on the large models; `--no-exact` leaves it out). The table gives the times, both overheads (peak above the
-weights) and the fast one's error. benchmarks/configs/README.md says where each config's values come from.
+cut), a second one (warm: every meta kernel's answer already known, kvlab.planner.meta.KnownShapes), one at a
+point not asked before (fresh: the batch one more, its shapes new), and the whole model's dry run (`exact=True`,
+the reference: tens of seconds a design on the large models; `--no-exact` leaves it out). The table gives the
+times, both overheads (peak above the weights) and the fast one's error. benchmarks/configs/README.md says where
+each config's values come from.
 """
 
 import argparse
@@ -34,7 +36,8 @@ def measure(preset: str, design: tuple[str, str], point: dict, exact: bool) -> d
     cold, fast = timed(preset, design, point)
     warm, again = timed(preset, design, point)
     assert again == fast, "the fast dry run answered two calls differently"
-    row = dict(design="/".join(design), cold_s=cold, warm_s=warm, fast_gib=fast / GIB)
+    fresh, _ = timed(preset, design, dict(point, batch=point["batch"] + 1))
+    row = dict(design="/".join(design), cold_s=cold, warm_s=warm, fresh_s=fresh, fast_gib=fast / GIB)
     if exact:
         row["exact_s"], reference = timed(preset, design, point, exact=True)
         row |= dict(exact_gib=reference / GIB, error_pct=100 * (fast - reference) / reference)
@@ -42,7 +45,7 @@ def measure(preset: str, design: tuple[str, str], point: dict, exact: bool) -> d
 
 
 def table(rows: list[dict]) -> str:
-    columns = ["config", "design", "cold_s", "warm_s", "exact_s", "exact_gib", "fast_gib", "error_pct"]
+    columns = ["config", "design", "cold_s", "warm_s", "fresh_s", "exact_s", "exact_gib", "fast_gib", "error_pct"]
     columns = [c for c in columns if any(c in row for row in rows)]
     cells = [columns] + [[_cell(row.get(c)) for c in columns] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]

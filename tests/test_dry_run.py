@@ -3,6 +3,7 @@ forward run only at the steps that can hold the peak (kvlab.planner.dry_run.peak
 full CPU runs: the skipped steps never hold the peak (their timelines), and the meta count is the CPU's (within 8
 bytes: a 0-dim scalar or two)."""
 
+import contextlib
 import itertools
 
 import pytest
@@ -10,11 +11,13 @@ import torch
 from test_architectures import RUN, SIZES
 from transformers import AutoConfig
 
+from kvlab.caches import CatLayer, KVCache, ListLayer, PreallocLayer, SlidingCatLayer, WindowLayer
 from kvlab.lab.point import run_point
 from kvlab.loops import decoding, generate
 from kvlab.meter import MemoryMeter
 from kvlab.models import random_prompt
-from kvlab.planner.dry_run import peak_steps
+from kvlab.planner.dry_run import advance, advance_bulk, peak_steps
+from kvlab.planner.meta import KnownShapes, MetaAsCpu
 from kvlab.planner.plan import predict
 from kvlab.planner.sources import build_model
 
@@ -101,3 +104,70 @@ def test_meta_answers_yes_or_no_only(folders):
         torch.ones(3, dtype=torch.long, device="meta").sum().item()
     with MetaAsCpu():
         assert bool(torch.ones(3, device="meta").eq(1).all())
+
+
+LAYERS = {  # each design's layer, windows and periods short: a window of 12 in 12 - 1 + 8 slots
+    "window": lambda: WindowLayer(12, block_tokens=8),
+    "list": lambda: ListLayer(chunk_limit=5),
+    "prealloc": lambda: PreallocLayer(block_tokens=8),
+    "sliding cat": lambda: SlidingCatLayer(12),
+    "cat": CatLayer,
+}
+
+
+def _state(layer) -> dict:
+    """What a layer holds and where it stands: each tensor's shape and storage size, and its plain counters."""
+
+    def described(value):
+        if isinstance(value, torch.Tensor):
+            return value.shape, value.dtype, value.untyped_storage().nbytes()
+        if isinstance(value, list):
+            return [described(item) for item in value]
+        return value if isinstance(value, (int, bool, type(None))) else type(value)
+
+    return {key: described(value) for key, value in vars(layer).items()}
+
+
+@pytest.mark.parametrize("grow", [advance, advance_bulk])
+@pytest.mark.parametrize("prompt", [5, 20])
+@pytest.mark.parametrize("design", LAYERS)
+def test_the_skipped_steps_growth_leaves_each_layer_as_its_updates_do(design, prompt, grow):
+    """advance (a list layer appended without the join its update returns) and advance_bulk (a window layer
+    looped only until its phase repeats, too) against the layer's own update, a token at a time: the same
+    tensors, positions and counts."""
+    token = lambda n: torch.empty((2, 3, n, 4), device="meta")  # noqa: E731
+    for tokens in (1, 7, 8, 9, 13, 40):
+        grown, each = KVCache([LAYERS[design]()]), KVCache([LAYERS[design]()])
+        for cache in (grown, each):
+            cache.layers[0].update(token(prompt), token(prompt))
+        grow(grown, tokens)
+        for _ in range(tokens):
+            each.layers[0].update(token(1), token(1))
+        assert _state(grown.layers[0]) == _state(each.layers[0]), tokens
+
+
+def test_known_shapes_answer_as_the_meta_kernels_do(folders):
+    """A dry run answered from KnownShapes' memory (a second run, every op seen before) counts what one run by the
+    meta kernels alone counts, step by step: the new tensors' shapes and storages, and the storages an op shares
+    with its input (`_unsafe_view`'s schema claims a new tensor) counted once."""
+    model = build_model(folders["deepseek_v3"], device="meta")
+    ids = torch.empty((POINT["batch"], POINT["prompt"]), dtype=torch.long, device="meta")
+
+    def timeline(*modes):
+        with contextlib.ExitStack() as stack:
+            for mode in (MetaAsCpu(), *modes):
+                stack.enter_context(mode)
+            meter = stack.enter_context(MemoryMeter("meta", model))
+            generate(model, ids, 6, cache="list", loop="v5", strategy=decoding("beam", 3), meter=meter,
+                     cache_options=dict(chunk_limit=3))  # fmt: skip
+        return meter.report().timeline
+
+    KnownShapes.answers.clear()
+    kernels = timeline()
+    assert timeline(KnownShapes()) == kernels  # learning
+    assert KnownShapes.answers
+    assert timeline(KnownShapes()) == kernels  # answering
+    with KnownShapes():
+        x = torch.empty((4, 6), device="meta")
+        for _ in range(2):
+            assert torch.ops.aten._unsafe_view(x, (24,)).untyped_storage()._cdata == x.untyped_storage()._cdata

@@ -1,9 +1,15 @@
 """predict's fast dry run (kvlab.planner.fast) against the whole model's dry run (`exact=True`, itself held against
 CPU runs in tests/test_dry_run.py): within 1 % for every design, on small configs of each layout with more layers
-than the cut keeps (dense, sliding, MoE, latent attention, linear-attention and Mamba hybrids); and the steps
-the bulk skipping keeps hold the peak of a CPU run that decodes every step."""
+than the cut keeps (dense, sliding, MoE, latent attention, linear-attention and Mamba hybrids), and of a prompt
+of several of the gated delta rule's chunks; the steps the bulk skipping keeps hold the peak of a CPU run that
+decodes every step; and a short scan (kvlab.planner.scans) counts what the whole one does."""
+
+import importlib
+from pathlib import Path
 
 import pytest
+import torch
+import transformers
 from test_architectures import RUN, SIZES
 from test_dry_run import DESIGNS, runnable
 from transformers import AutoConfig
@@ -12,8 +18,10 @@ from kvlab.caches import forward
 from kvlab.loops import decoding, generate
 from kvlab.meter import MemoryMeter
 from kvlab.models import random_prompt
-from kvlab.planner.dry_run import BulkSkippingForward
+from kvlab.planner.dry_run import ForwardRule, bulk_plan
+from kvlab.planner.meta import MetaAsCpu
 from kvlab.planner.plan import predict
+from kvlab.planner.scans import ITERATIONS, SCANS, _reference, short_scans, shortened
 from kvlab.planner.sources import build_model
 
 MAMBA = dict(mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16, mamba_n_groups=1)
@@ -62,14 +70,14 @@ def test_the_fast_dry_run_is_within_1_percent_of_the_whole_models(folders, model
 @pytest.mark.parametrize("model_type", ["gemma3_text", "deepseek_v3", "qwen3_next"])
 @pytest.mark.parametrize("cache, loop", [("list", "v5"), ("prealloc", "v5"), ("list", "v4.42")])
 def test_the_bulk_skippings_kept_steps_hold_a_cpu_runs_peak(folders, model_type, cache, loop):
-    """On CPU, every step decoded: the highest step is one BulkSkippingForward would run the forward at (which it
-    decides from the cache before the step)."""
+    """On CPU, every step decoded: the highest step is one the bulk dry run runs the forward at (ForwardRule, asked
+    of the cache before the step), and its plan (bulk_plan) finds those steps."""
     model = build_model(folders[model_type])
-    skipping = BulkSkippingForward(POINT["new"], POINT["block_tokens" if cache == "prealloc" else "chunk_limit"])
+    rule = ForwardRule(POINT["new"], POINT["block_tokens" if cache == "prealloc" else "chunk_limit"])
     kept = set()
 
     def every_step(step, model, kv, **inputs):
-        if skipping.runs_forward(step, kv):
+        if rule(step, kv):
             kept.add(step)
         return forward(model, kv, **inputs)
 
@@ -81,3 +89,71 @@ def test_the_bulk_skippings_kept_steps_hold_a_cpu_runs_peak(folders, model_type,
     peaks = {step.step: step.peak_bytes for step in meter.report().timeline}
     assert len(kept) < len(peaks) - 15  # the claim skips most steps
     assert max(peaks[step] for step in kept) == max(peaks.values())
+    # the bulk dry run's plan, from a stand-in cache, keeps the steps the run's own cache says
+    options = dict(options, max_cache_len=POINT["prompt"] + POINT["new"] - 1)
+    assert bulk_plan(model, cache, POINT["prompt"], POINT["new"], options).kept == kept
+
+
+def _scan_modules() -> list[str]:
+    """The modeling modules of the installed transformers that define a scan kvlab.planner.scans shortens."""
+    models = Path(transformers.__file__).parent / "models"
+    return sorted(
+        f"transformers.models.{path.parent.name}.{path.stem}"
+        for path in models.glob("*/modeling_*.py")
+        if any(f"def {name}(" in path.read_text() for name in SCANS)
+    )
+
+
+@pytest.mark.parametrize("module", _scan_modules())
+def test_a_short_scan_counts_what_the_whole_one_does(module):
+    """On meta, under the meter: each scan run for ITERATIONS of its chunks against the whole scan (4 chunks, the
+    last padded), from no state and from a cache's: the same peak, the same bytes live after, the same outputs.
+    The head sizes make the chunks' loop hold the peak, so a scan cut shorter than the argument allows fails."""
+    functions = importlib.import_module(module)
+    for name in SCANS:
+        whole = _reference(getattr(functions, name))
+        assert whole is not None
+
+        def count(scan, state: bool):
+            with MetaAsCpu(), MemoryMeter("meta") as meter:
+                q, k = (torch.empty((1, 200, 1, 256), dtype=torch.bfloat16, device="meta") for _ in range(2))
+                v = torch.empty((1, 200, 2, 256), dtype=torch.bfloat16, device="meta")
+                g, beta = torch.empty((1, 200, 2), device="meta"), torch.empty((1, 200, 2), device="meta")
+                initial = torch.empty((1, 2, 256, 256), device="meta") if state else None
+                out = scan(q, k, v, g=g, beta=beta, initial_state=initial, output_final_state=True)
+                outputs = [(t.shape, t.dtype) for t in out]
+                live = meter.live_bytes()
+            return meter.report().peak_bytes, live, outputs
+
+        for state in (False, True):
+            assert count(shortened(whole, ITERATIONS), state) == count(whole, state), (name, state)
+        assert count(shortened(whole, ITERATIONS - 1), True) != count(whole, True)  # the loop holds the peak
+
+
+def test_the_short_scans_are_the_fast_dry_runs_alone(folders):
+    """short_scans puts each modeling module's own function back after its block; the exact dry run runs it."""
+    from transformers.models.qwen3_next import modeling_qwen3_next as functions
+
+    model = build_model(folders["qwen3_next"], device="meta")
+    own = functions.torch_chunk_gated_delta_rule
+    with short_scans(model):
+        assert functions.torch_chunk_gated_delta_rule is not own
+    assert functions.torch_chunk_gated_delta_rule is own
+
+
+# A prompt of 4 chunks of the gated delta rule's 64 tokens (the last padded): the fast dry run scans two of them.
+LONG = dict(POINT, prompt=200)
+
+
+@pytest.mark.parametrize("strategy", ["greedy", "beam"])
+def test_the_fast_dry_run_of_a_prompt_of_several_chunks(folders, strategy):
+    point = dict(preset=folders["qwen3_next"], strategy=strategy, num_beams=3, dry_run=True, **LONG)
+    fast = {(d["cache"], d["loop"]): d for d in predict(**point)["designs"]}
+    exact = {(d["cache"], d["loop"]): d for d in predict(**point, exact=True)["designs"]}
+    assert set(fast) == set(exact) and len(exact) > 3
+    for design, e in exact.items():
+        f = fast[design]
+        assert (
+            abs(f["predicted_overhead_bytes"] - e["predicted_overhead_bytes"]) <= 0.01 * e["predicted_overhead_bytes"]
+        )
+        assert f["cache_tokens_per_layer"] == e["cache_tokens_per_layer"], design

@@ -11,6 +11,7 @@ savers and the command line.
              prediction names
     dry_run  kvlab's loop on meta, the forward only at the steps that can hold the peak (`dry_run`, `DryRun`)
     fast     that dry run of a model cut to a few layers, extrapolated to all (`FastDryRun`): predict's default
+    scans    the fast dry run's short scans: a reference kernel's loop over a prompt's chunks run for two of them
     plan     `predict` (kvlab.theory's walk or a dry run per design, "does it fit", the largest batch and
              generation), `Prediction` and its table, `check_fits`
 

@@ -1,7 +1,8 @@
 """The dry run: kvlab's loop on the meta device, where tensors have shapes and no data, with SDPA and the masks as a
 CPU makes them (kvlab.planner.meta.MetaAsCpu), under the meter's live-storage count. At the steps that cannot hold
 the peak (`peak_steps`) the forward is skipped: the cache grows by the step's token without it (`SkippingForward`,
-generate()'s per-step hook). The count a CPU run gives, in a few forwards (tests/test_dry_run.py).
+generate()'s per-step hook). The count a CPU run gives, in a few forwards (tests/test_dry_run.py). Every dry run
+asks the meta kernels from memory (kvlab.planner.meta.KnownShapes).
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .. import theory
-from ..caches import KVCache, ListLayer, PreallocLayer, TupleCache, WindowLayer, forward
+from ..caches import KVCache, ListLayer, PreallocLayer, TupleCache, WindowLayer, forward, make_cache
 from ..loops import decoding, generate
 from ..meter import MemoryMeter
 from ..models import final_kv_bytes
 from ..schema import DEFAULTS, beams, over_kv
-from .meta import MetaAsCpu
+from .meta import KnownShapes, MetaAsCpu
 from .sources import build_model
 from .theory import CUBLAS_TERM
 
@@ -38,32 +39,31 @@ def dry_run(
     prompt: int,
     new: int,
     skip: bool = True,
-    bulk: bool = False,
-    jump: int = 0,
+    plan: BulkPlan | None = None,
     as_device=None,
     **options,
 ):
     """kvlab's loop (`generate(**options)`) on the meta device for a model built there: (the meter's report, the
     cache it ends with). `skip`: the forward only at the steps that can hold the peak of a cache design of
-    kvlab's (`peak_steps`); False, or a cache object of transformers' own to decode into: every step. `bulk`:
-    fewer forwards still, and the skipped steps' tokens added in bulk (`BulkSkippingForward`), and with `jump`
-    (at most `max_jump`) that many steps after step 2 not looped at all: their tokens added at step 2, the
-    timeline's later steps numbered as in the whole loop. The loop's own tensors of a token per step (the ids,
-    positions, beam search's buffers) are then `jump` tokens shorter (kvlab.planner.fast extrapolates them).
+    kvlab's (`peak_steps`); False, or a cache object of transformers' own to decode into: every step. `plan`:
+    fewer forwards still, and only the plan's steps looped (`BulkSkippingForward`), the timeline numbered as in
+    the whole loop. The loop's own tensors of a token per step (the ids, positions, beam search's buffers) are then
+    shorter by the steps not looped (kvlab.planner.fast extrapolates them).
     `as_device`: the device the forward allocates as (kvlab.planner.meta; default `MetaAsCpu()`)."""
     ids = torch.empty((batch, prompt), dtype=torch.long, device="meta")
     cache = options.get("cache", "dynamic")
+    if plan is not None and not (skip and isinstance(cache, str)):
+        raise ValueError("a dry run loops a plan's steps only when it skips the others")
     if skip and isinstance(cache, str):
-        cache_options = options.get("cache_options") or {}
-        make = functools.partial(bulk_skipping_forward, jump=jump) if bulk else skipping_forward
-        options = dict(options, step_forward=make(cache, new, cache_options))
-    elif jump:
-        raise ValueError("a dry run jumps steps only when it skips them in bulk")
-    with as_device or MetaAsCpu(), MemoryMeter("meta", model) as meter:
-        out = generate(model, ids, new - jump, meter=meter, **options)
+        step_forward = (
+            BulkSkippingForward(plan) if plan else skipping_forward(cache, new, options.get("cache_options") or {})
+        )
+        options = dict(options, step_forward=step_forward)
+    with as_device or MetaAsCpu(), KnownShapes(), MemoryMeter("meta", model) as meter:
+        out = generate(model, ids, len(plan.visits) if plan else new, meter=meter, **options)
     report = meter.report()
-    if jump:
-        steps = [dataclasses.replace(s, step=s.step + jump) if s.step > 2 else s for s in report.timeline]
+    if plan:
+        steps = [dataclasses.replace(s, step=plan.visits[s.step]) for s in report.timeline]
         report = dataclasses.replace(report, timeline=steps)
     return report, out.cache
 
@@ -125,14 +125,6 @@ class SkippingForward:
         advance(cache, tokens)
 
 
-def bulk_skipping_forward(cache: str, new: int, cache_options: dict, jump: int = 0) -> BulkSkippingForward:
-    """The fast dry run's `step_forward` for a run of design `cache` (its `cache_options`) decoding `new` tokens,
-    `jump` steps of which are not looped (`dry_run`)."""
-    if not 0 <= jump <= max_jump(cache, new, cache_options):
-        raise ValueError(f"a dry run of {new} new tokens cannot jump {jump} steps")
-    return BulkSkippingForward(new - jump, _design_period(cache, cache_options), jump)
-
-
 def _design_period(cache: str, cache_options: dict) -> int:
     return _period(
         cache,
@@ -141,44 +133,86 @@ def _design_period(cache: str, cache_options: dict) -> int:
     )
 
 
-def max_jump(cache: str, new: int, cache_options: dict) -> int:
-    """The most steps a bulk dry run can leave out of its loop: those between step 2 and the last `period`."""
-    return max(0, new - _design_period(cache, cache_options) - 3)
+class ForwardRule:
+    """Which steps of a run of `new` tokens a bulk dry run runs the forward at, asked before each step of the cache
+    as it is then: 0, 1, the last, and in the window (the last `period` steps, `peak_steps`') the last time a
+    layer reallocates (`reallocates`: a list layer consolidating, a prealloc buffer growing, a window moving): one
+    whose next reallocation, a period on, would come after the last step. A step more is kept than that needs, and
+    so is a prealloc layer's reallocation a period on from its first block, which holds the prompt and fills
+    sooner. Between the kept steps every step holds what the one before held and a token more.
+    tests/test_fast.py holds the kept steps against CPU runs' timelines."""
+
+    def __init__(self, new: int, period: int):
+        self.last, self.window = new - 1, max(2, new - period)
+
+    def __call__(self, step: int, cache) -> bool:
+        return step in (0, 1, self.last) or (step >= self.window and reallocates(cache, self.last - step - 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class BulkPlan:
+    """The steps a bulk dry run loops (`visits`, in the whole loop's numbering) and those of them that run the
+    forward (`kept`): 0, 1, 2 and the kept steps, and before a kept step that follows another after a gap, the step
+    before it (which adds the gap's tokens: a kept step's own timeline holds its forward alone)."""
+
+    visits: tuple[int, ...]
+    kept: frozenset[int]
+
+    @classmethod
+    def of(cls, kept: set[int], new: int) -> BulkPlan:
+        visits: list[int] = []
+        for step in sorted({step for step in (0, 1, 2) if step < new} | kept):
+            if step > 2 and visits[-1] in kept and visits[-1] != step - 1:
+                visits.append(step - 1)
+            visits.append(step)
+        return cls(tuple(visits), frozenset(kept))
+
+
+def bulk_plan(model, cache: str, prompt: int, new: int, cache_options: dict) -> BulkPlan:
+    """The plan of a bulk dry run of `model` decoding `new` tokens after `prompt` into a cache of design `cache`
+    (its `cache_options`): the kept steps (`ForwardRule`) found on a stand-in, the same design's cache for `model`
+    grown by tensors of one token's worth of one number (on the CPU, no meter) as the run grows it, a token a step:
+    when its layers reallocate depends on the tokens they hold alone (kvlab.caches; `BulkSkippingForward` checks it
+    at each kept step of the run)."""
+    rule = ForwardRule(new, _design_period(cache, cache_options))
+    kept = {step for step in (0, 1, rule.last) if step >= 0}
+    stand_in = make_cache(cache, model, **cache_options) if rule.window < rule.last else None
+    layers = [layer for layer in getattr(stand_in, "layers", ()) if isinstance(layer, (ListLayer, PreallocLayer))]
+    if layers:
+        token = lambda n: torch.zeros((1, 1, n, 1))  # noqa: E731
+        for layer in layers:
+            layer.update(token(prompt), token(prompt))
+        advance_bulk(stand_in, rule.window - 1)  # the tokens held before the window's first step
+        for step in range(rule.window, rule.last):
+            if rule(step, stand_in):
+                kept.add(step)
+            advance(stand_in, 1)
+    return BulkPlan.of(kept, new)
 
 
 class BulkSkippingForward(SkippingForward):
-    """`SkippingForward` with fewer forwards and no token-by-token growth before the last `period` steps: the
-    forward at steps 0, 1 and the last, and among the last `period` steps (`peak_steps`' window) only at the last
-    time each layer reallocates (`reallocates`: a list layer consolidating, a prealloc buffer growing, a window
-    moving), the steps between which every step holds what the one before held and a token more. The steps from 2
-    to the window's start add their tokens at step 2, in bulk (`advance_bulk`: the layers end as token-by-token
-    growth leaves them); the window's skipped steps a token each, so that its reallocations fall where they would.
-    tests/test_dry_run.py holds the kept steps against CPU runs' timelines and the answer against `SkippingForward`'s.
-    """
+    """`SkippingForward` with fewer forwards and no token-by-token growth: the loop runs a plan's steps (`BulkPlan`,
+    its step numbers the loop's index into `visits`), the forward at its kept steps; each other step adds its
+    token and those of the steps not looped up to the next one (`advance_bulk`: the layers end as token-by-token
+    growth leaves them; the transient of the growth differs, which the kept steps never hold). tests/test_fast.py
+    holds the answer against the whole model's dry run."""
 
-    def __init__(self, new: int, period: int, jump: int = 0):
-        self.window = max(2, new - period)  # the first step of the last `period`
-        self.jump = jump  # steps left out of the loop (`dry_run`), whose tokens step 2 adds too
-        super().__init__(frozenset(step for step in (0, 1, new - 1) if step >= 0))
+    def __init__(self, plan: BulkPlan):
+        self.plan = plan
+        super().__init__(frozenset())  # the forward is this class's to run
 
     def __call__(self, step, model, cache, **inputs):
-        if self.runs_forward(step, cache):
+        real, last = self.plan.visits[step], self.plan.visits[-1]
+        if real in self.plan.kept:
+            if 1 < real < last and not reallocates(cache):  # the stand-in and the run disagree
+                raise RuntimeError(f"a dry run's plan kept step {real}, where its cache reallocates nothing")
             return forward(model, cache, **inputs)
         return super().__call__(step, model, cache, **inputs)
 
-    def runs_forward(self, step: int, cache) -> bool:
-        """At `step`, before it: 0, 1, the last, and in the window the last reallocation of a layer (the cache
-        says which: `reallocates`: one whose next reallocation, a period on, would come after the last step; a step
-        more is kept than that needs, and so is a prealloc layer's reallocation a period on from its first block,
-        which holds the prompt and fills sooner)."""
-        last = max(self.steps)
-        return step in self.steps or (step >= self.window and reallocates(cache, last - step - 1))
-
     def grow(self, cache, step: int, tokens: int) -> None:
-        if step >= self.window:
-            advance(cache, tokens)
-        elif step == 2:  # every skipped step before the window: each feeds `tokens`
-            advance_bulk(cache, tokens * (self.window - 2 + self.jump))
+        visits = self.plan.visits
+        steps = visits[step + 1] - 1 - visits[step - 1]  # its own and the steps not looped, to the next one
+        (advance_bulk if steps > 1 else advance)(cache, tokens * steps)
 
 
 def reallocates(cache, steps_left: int | None = None) -> bool:
@@ -207,30 +241,27 @@ def advance_bulk(cache, tokens: int) -> None:
     it (the same tensors, of the same shapes): the transient of the growth differs (one update's), which the dry
     run's kept steps never hold. Per design: a prealloc buffer grows to the same block in one update; a list layer
     gets its tokens up to its last consolidation as one chunk, joined as that consolidation joins them, then the
-    rest one by one; a window buffer's phase is its every token's, so it grows token by token; transformers' layers
-    get all but one token in one update and the last alone (a sliding layer keeps a view of the last update's
-    concatenation: its storage is the last update's size)."""
+    rest one by one; a window buffer's phase is its every token's, so it grows token by token, but only until its
+    phase repeats (`_advance_window`); transformers' layers get all but one token in one update and the last alone
+    (a sliding layer keeps a view of the last update's concatenation: its storage is the last update's size)."""
     for layer in cache.layers:
         if tokens < 1 or (held := _last_written(layer)) is None:
             continue
         like = [(t.shape, t.dtype, t.device) for t in held]  # keys and values: MLA's differ in width
         del held
-        update = (
-            lambda n, layer=layer, like=like: layer.update(  # noqa: E731
-                *(torch.empty((*shape[:-2], n, shape[-1]), dtype=dtype, device=device) for shape, dtype, device in like)
-            )
-        )
+        grow = functools.partial(_grow, layer, like)
+        if isinstance(layer, WindowLayer):
+            _advance_window(layer, tokens, grow)
+            continue
         for n in _bulk_updates(layer, tokens):
             if n:
-                update(n)
+                grow(n)
             else:  # a list layer's consolidation, as its update makes it: the chunks joined into one
                 layer.keys, layer.values = layer.keys, layer.values
 
 
 def _bulk_updates(layer, tokens: int) -> list[int]:
     """The updates `advance_bulk` gives a layer, in tokens each; 0: a list layer's chunks joined."""
-    if isinstance(layer, WindowLayer):
-        return [1] * tokens
     if isinstance(layer, PreallocLayer):
         return [tokens]
     if isinstance(layer, ListLayer):
@@ -243,18 +274,56 @@ def _bulk_updates(layer, tokens: int) -> list[int]:
     return [tokens - 1, 1] if tokens > 1 else [tokens]
 
 
+def _advance_window(layer: WindowLayer, tokens: int, grow) -> None:
+    """`tokens` single-token updates of a window layer, looped only until its phase repeats. After its first update
+    its buffer is never reallocated, and where the next token goes (`start`, `end`) is a function of where the last
+    one went (kvlab.caches.WindowLayer.update): from a repeated phase on, the phases cycle, so the phase after the
+    last token is one already seen, and the layer is left there: its views of the same buffer, and the tokens it
+    has seen (`cumulative_length`) counted."""
+    phases: dict[tuple[int, int], int] = {}  # phase -> how many tokens were in before it
+    for done in range(tokens):
+        phase = (layer.start, layer.end)
+        if phase in phases:
+            first = phases[phase]
+            end_phase = list(phases)[first + (tokens - first) % (done - first)]
+            layer.start, layer.end = end_phase
+            layer.cumulative_length += tokens - done
+            layer._views()
+            return
+        phases[phase] = done
+        grow(1)
+
+
+def _grow(layer, like, tokens: int) -> None:
+    """One update of `layer` by `tokens` new tokens of the shapes and dtypes `like` (keys', values'). A list layer
+    appends them as its update does, without the join its update returns for attention, which no skipped step
+    runs (a transient of the layer's size, and half of a skipped step's time)."""
+    keys, values = (
+        torch.empty((*shape[:-2], tokens, shape[-1]), dtype=dtype, device=device) for shape, dtype, device in like
+    )
+    if not isinstance(layer, ListLayer):
+        layer.update(keys, values)
+        return
+    layer.key_chunks.append(keys)
+    layer.value_chunks.append(values)
+    if len(layer.key_chunks) >= layer.chunk_limit:  # ListLayer.update's consolidation
+        layer.key_chunks = [torch.cat(layer.key_chunks, dim=-2)]
+        layer.value_chunks = [torch.cat(layer.value_chunks, dim=-2)]
+
+
 def advance(cache, tokens: int) -> None:
     """Grow every attention layer of `cache` by `tokens` tokens, one at a time as decoding steps add them, without
-    a forward: on meta, where no value is read, this is what a step the dry run skips leaves behind.
-    Recurrent state does not grow; a layer that caches nothing is left alone."""
+    a forward: on meta, where no value is read, this is what a step the dry run skips leaves behind (but for the
+    transients of a list layer's update, `_grow`). Recurrent state does not grow; a layer that caches nothing is
+    left alone."""
     for layer in cache.layers:
         if (held := _last_written(layer)) is None:
             continue
         # Shapes, not the tensors: holding the layer's old keys and values would keep them alive while it grows.
-        token = [((*t.shape[:-2], 1, t.shape[-1]), t.dtype, t.device) for t in held]
+        like = [(t.shape, t.dtype, t.device) for t in held]
         del held
         for _ in range(tokens):
-            layer.update(*(torch.empty(shape, dtype=dtype, device=device) for shape, dtype, device in token))
+            _grow(layer, like, 1)
 
 
 def _last_written(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -319,13 +388,10 @@ class DryRun:
         report, cache = self.run(design)
         return report, held_tokens(cache)
 
-    def run(self, design: dict, model=None, bulk: bool = False, jump: int = 0):
-        """The meta run of one design (of `model`, else the whole model; `bulk`, `jump`: as `dry_run`): (the
-        meter's report, the cache it ends with)."""
+    def run(self, design: dict, model=None, plan: BulkPlan | None = None):
+        """The meta run of one design (of `model`, else the whole model; `plan`: as `dry_run`): (the meter's
+        report, the cache it ends with)."""
         d = design
-        options = dict(
-            block_tokens=d["block_tokens"], chunk_limit=d["chunk_limit"], max_cache_len=d["prompt"] + d["new"] - 1
-        )
         strategy = decoding(d["strategy"], d["num_beams"])
         return dry_run(
             self.model if model is None else model,
@@ -335,11 +401,16 @@ class DryRun:
             cache=d["cache"],
             loop=d["loop"],
             strategy=strategy,
-            cache_options=options,
+            cache_options=cache_options(d),
             as_device=self.as_device(),
-            bulk=bulk,
-            jump=jump,
+            plan=plan,
         )
+
+
+def cache_options(design: dict) -> dict:
+    """The options of a design's cache (kvlab.caches.make_cache)."""
+    d = design
+    return dict(block_tokens=d["block_tokens"], chunk_limit=d["chunk_limit"], max_cache_len=d["prompt"] + d["new"] - 1)
 
 
 class PlusWorkspace:

@@ -6,12 +6,18 @@ Where a whole-model dry run spends its time (profiled on Qwen3-30B-A3B, batch 8,
 34 s): three quarters growing each of 48 layers' caches a token at a time for every skipped step (each token an
 update under the meter and MetaAsCpu: ~0.8 ms), the rest forwarding 48 layers on meta (~37 ms a layer, every
 expert of 128 run) at each kept step; `list` and `prealloc` keep 50 and 32 steps more, hence 86 s and 35 s.
-Two cuts, each kept exact where it can be:
+Cut down as below, most of what is left is PyTorch's meta kernels (Python, ~0.3 ms an op), which every dry run
+asks from memory once it has asked them (kvlab.planner.meta.KnownShapes, exact: the same inputs' shapes, the same
+outputs'). Three cuts, each kept exact where it can be:
 
 - fewer steps, and no token-by-token growth (`BulkSkippingForward`): of the last `period` steps only those
-  where a layer reallocates run the forward (its cache object says which, before the step), and the steps from 2
-  to there add their tokens in bulk, each layer left with the tensors token-by-token growth leaves it. On meta
-  the same shapes are the same count: the kept steps are exact, the skipped ones' transients smaller.
+  where a layer reallocates run the forward (`ForwardRule`; a stand-in cache of one number a token finds which,
+  before the run: `bulk_plan`), and the loop runs those, steps 0-2 and one before each kept step that follows a
+  gap: that step adds the gap's tokens in bulk, each layer left with the tensors token-by-token growth leaves it.
+  On meta the same shapes are the same count: the kept steps are exact, the skipped ones' transients smaller.
+- a shorter scan (kvlab.planner.scans): the gated delta rule's reference prefill loops over its prompt's chunks
+  (500 at 32,000 tokens, in each linear-attention layer), and on meta every chunk after the first allocates what
+  the second does: two chunks count what all of them count, exactly.
 - fewer layers (`LayerCut`): a model's layers come in a few kinds (a layer's cache type and its modules' classes,
   parameter shapes and settings: sliding or full attention, Mamba or attention, a dense MLP or experts). Bytes
   held per layer add up (caches, and a layer's share of anything per layer), and the transients inside a forward
@@ -41,8 +47,9 @@ from torch import nn
 from ..loops import decoding, generate
 from ..meter import MemoryMeter, MemoryReport, StepMemory, weight_bytes
 from ..models import layer_kinds
-from .dry_run import DryRun, SkippingForward, held_tokens, max_jump
+from .dry_run import BulkPlan, DryRun, SkippingForward, bulk_plan, cache_options, held_tokens
 from .meta import MetaAsCpu
+from .scans import short_scans
 from .sources import build_model
 
 # How many steps apart the two runs of the loop alone are (`FastDryRun._loop_bytes`).
@@ -64,19 +71,28 @@ class FastDryRun(DryRun):
         self.model = self.cut.model
 
     def measure(self, design: dict):
-        """`DryRun.measure` from the cut models' runs, each leaving out of its loop the steps `max_jump` allows."""
-        options = {key: design[key] for key in ("block_tokens", "chunk_limit")}
-        jump = max_jump(design["cache"], design["new"], options)
-        runs = [self._run(model, design, jump) for model in self.cut.models]
-        loop = self._loop_bytes(design) if jump else (0, 0)
+        """`DryRun.measure` from the cut models' runs, each looping only the steps of its `bulk_plan`."""
+        d = design
+        plans = [bulk_plan(model, d["cache"], d["prompt"], d["new"], cache_options(d)) for model in self.cut.models]
+        if len(set(plans)) != 1:
+            raise RuntimeError("the cut models' dry runs would step differently")
+        runs = [self._run(model, design, plans[0]) for model in self.cut.models]
         reports = [report for report, _ in runs]
-        return self.cut.extrapolate(reports, [n * jump for n in loop]), self.cut.held([held for _, held in runs])
+        return self.cut.extrapolate(reports, self._left_out(design, plans[0])), self.cut.held([h for _, h in runs])
+
+    def _left_out(self, design: dict, plan: BulkPlan) -> dict[int, int]:
+        """Bytes the loop's own tensors would hold more at each step looped, had the loop run every step."""
+        if len(plan.visits) == design["new"]:
+            return dict.fromkeys(plan.visits, 0)
+        upfront, growth = self._loop_bytes(design)
+        left_out = design["new"] - len(plan.visits)
+        return {step: upfront * left_out + growth * (step - i) for i, step in enumerate(plan.visits)}
 
     def _loop_bytes(self, design: dict) -> tuple[int, int]:
         """Bytes a step more adds to what the loop's own tensors hold as a forward starts (the ids, positions, a
-        mask, beam search's buffers): (from the loop's start: buffers sized by the tokens to decode; after step 2:
-        those and what grows a token a step). From two runs of the loop alone, LOOP_STEPS steps apart: no forward,
-        no cache, the live bytes read as each step's forward would start."""
+        mask, beam search's buffers): (from the loop's start: buffers sized by the tokens to decode; after step 2,
+        besides those: what grows a token a step). From two runs of the loop alone, LOOP_STEPS steps apart: no
+        forward, no cache, the live bytes read as each step's forward would start."""
         d, starts = design, []
         for new in (4, 4 + LOOP_STEPS):
             ids = torch.empty((d["batch"], d["prompt"]), dtype=torch.long, device="meta")
@@ -87,10 +103,11 @@ class FastDryRun(DryRun):
                          meter=meter, step_forward=_Reading(meter, live))  # fmt: skip
         upfront = (starts[1][0] - starts[0][0]) // LOOP_STEPS
         growth = (starts[1][3 + LOOP_STEPS] - starts[1][3]) // LOOP_STEPS
-        return upfront, upfront + growth
+        return upfront, growth
 
-    def _run(self, model, design: dict, jump: int):
-        report, cache = self.run(design, model=model, bulk=True, jump=jump)
+    def _run(self, model, design: dict, plan: BulkPlan):
+        with short_scans(model):  # a prompt's scan over its chunks in two of them (kvlab.planner.scans)
+            report, cache = self.run(design, model=model, plan=plan)
         return report, held_tokens(cache)
 
 
@@ -153,24 +170,24 @@ class LayerCut:
         base = values[0]
         return base + sum((self.counts[kind] - 2) * (v - base) for kind, v in zip(self.extra, values[1:]))
 
-    def extrapolate(self, reports: list[MemoryReport], left_out: list[int]) -> MemoryReport:
+    def extrapolate(self, reports: list[MemoryReport], left_out: dict[int, int]) -> MemoryReport:
         """The whole model's report from the cut models' runs: each step's bytes extrapolated in the layers, plus
-        what the loop's tensors of the steps left out of the runs' loops hold (`left_out`: at steps 0-2, and
-        after); the peak the highest step; what it holds (kv, logits, other) extrapolated from each run's split at
-        its peak, the loop's tensors left out counted as other."""
+        what the loop's tensors of the steps left out of the runs' loops hold (`left_out`, by step); the peak the
+        highest step; what it holds (kv, logits, other) extrapolated from each run's split at its peak, the loop's
+        tensors left out counted as other."""
         steps = [{s.step: s for s in report.timeline} for report in reports]
         if len({tuple(timeline) for timeline in steps}) != 1:
             raise RuntimeError("the cut models' dry runs stepped differently")
 
         def per_step(step: int, field: str) -> int:
-            return self._linear([getattr(timeline[step], field) for timeline in steps]) + left_out[step > 2]
+            return self._linear([getattr(timeline[step], field) for timeline in steps]) + left_out[step]
 
         timeline = [StepMemory(step, per_step(step, "live_bytes"), per_step(step, "peak_bytes")) for step in steps[0]]
         peak = max(timeline, key=lambda s: s.peak_bytes)
         parts = {part for report in reports for part in report.at_peak if part != "weights"}
         at_peak = {"weights": self.weights}
         at_peak |= {part: self._linear([r.at_peak.get(part, 0) for r in reports]) for part in sorted(parts)}
-        at_peak["other"] = at_peak.get("other", 0) + left_out[peak.step > 2]
+        at_peak["other"] = at_peak.get("other", 0) + left_out[peak.step]
         overhead = peak.peak_bytes
         first = reports[0]
         return MemoryReport(first.device, first.method, self.weights, self.weights + overhead, None, timeline, at_peak)

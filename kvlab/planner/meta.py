@@ -12,7 +12,7 @@ import weakref
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_leaves
 
 from ..cuda_memory import sdpa_backend, sdpa_terms
@@ -60,6 +60,8 @@ class MetaAsCpu(TorchFunctionMode):
             torch.set_num_threads(self._threads_before)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is _UNTYPED_STORAGE:  # no data, no tensor: what the meter asks of every cache tensor every step
+            return func(*args, **(kwargs or {}))
         kwargs = kwargs or {}
         routed = bool(self._routed) and any(
             isinstance(leaf, torch.Tensor) and id(leaf) in self._routed for leaf in tree_leaves((args, kwargs))
@@ -133,6 +135,9 @@ class MetaAsCpu(TorchFunctionMode):
         )[0]
 
 
+_UNTYPED_STORAGE = torch.Tensor.untyped_storage
+
+
 class MetaAsCuda(MetaAsCpu):
     """A forward on the meta device that allocates what the same forward allocates on a CUDA GPU of `arch`
     (kvlab.cuda_memory): MetaAsCpu's answers and bounds, but SDPA as CUDA runs it, the kernel chosen as
@@ -160,6 +165,100 @@ class MetaAsCuda(MetaAsCpu):
         )
         torch.empty(sum(inside.values()), dtype=torch.uint8, device="meta")  # alive inside SDPA only: the meter's spike
         return out
+
+
+class KnownShapes(TorchDispatchMode):
+    """Meta kernels answered from memory: an aten op that makes new tensors (no output aliases an input, no input is
+    written) gets, for inputs of the shapes, strides, dtypes and arguments it was given before, new tensors of what
+    its meta kernel answered then. A meta kernel (PyTorch's Python reference, ~0.3 ms an op: most of a dry run's
+    time) computes its outputs' shapes and strides from those alone; the layers of one kind in a forward, the cut
+    models and the designs of a prediction repeat them. Entered below the meter (before it), which sees the op and
+    its new outputs as ever. `answers`: what this process has learned, for ops whose outputs are fresh, dense and
+    of distinct storages (`_answer`); at most `LIMIT` of them."""
+
+    LIMIT = 2**17
+    answers: dict = {}  # shared by every dry run in the process: a warm prediction asks its kernels nothing
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        key = _key(func, args, kwargs) if _makes_new(func) else None
+        answer = KnownShapes.answers.get(key) if key is not None else None
+        if answer is not None:
+            made = [torch.empty_strided(shape, stride, dtype=dtype, device="meta") for shape, stride, dtype in answer]
+            return tuple(made) if answer.many else made[0]
+        out = func(*args, **kwargs)
+        if key is not None and (answer := _answer(out, args, kwargs)) is not None:
+            if len(KnownShapes.answers) >= KnownShapes.LIMIT:
+                KnownShapes.answers.clear()
+            KnownShapes.answers[key] = answer
+        return out
+
+
+class _Answer(tuple):
+    """The outputs' (shape, stride, dtype), and whether the op returned them as a tuple."""
+
+    many = False
+
+
+@functools.lru_cache(maxsize=None)
+def _makes_new(func) -> bool:
+    """Whether an aten op only makes new tensors: no output aliases an input and no input is written (its
+    schema's alias annotations), and it returns tensors."""
+    schema = func._schema
+    returns = schema.returns
+    return (
+        bool(returns)
+        and all(r.alias_info is None and str(r.type) == "Tensor" for r in returns)
+        and all(a.alias_info is None for a in schema.arguments)
+    )
+
+
+def _key(func, args, kwargs):
+    """What a meta kernel's answer depends on: the op, the default dtype, each (meta) tensor's shape, stride and
+    dtype, each other argument's type and value; None where an argument is of a kind not told apart here."""
+    try:  # factories given no dtype make the default one
+        return (func, torch.get_default_dtype(), *map(_described, args), *map(_described, kwargs.items()))
+    except _Unknown:
+        return None
+
+
+class _Unknown(Exception):
+    """An argument `_key` does not tell apart (a tensor off meta, an object): the kernel answers."""
+
+
+_PLAIN = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.memory_format, torch.layout)
+
+
+def _described(value):
+    if isinstance(value, torch.Tensor):
+        if not value.is_meta:
+            raise _Unknown
+        return (value.shape, value.stride(), value.dtype)
+    if isinstance(value, (tuple, list)):
+        return (type(value), *map(_described, value))
+    if isinstance(value, _PLAIN):
+        return (type(value), value)
+    raise _Unknown
+
+
+def _answer(out, args, kwargs):
+    """What to answer the same op with again: each output's (shape, stride, dtype), where each is a dense tensor
+    of a new storage of its own (as `torch.empty_strided` makes it); else None (`_unsafe_view`'s schema, say,
+    claims a new tensor and returns its input's storage)."""
+    outputs = out if isinstance(out, tuple) else (out,)
+    if not all(isinstance(t, torch.Tensor) and t.device.type == "meta" for t in outputs):
+        return None
+    storages = {t.untyped_storage()._cdata for t in outputs}
+    inputs = {leaf.untyped_storage()._cdata for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)}
+    if len(storages) != len(outputs) or storages & inputs:
+        return None
+    answer = _Answer((tuple(t.shape), t.stride(), t.dtype) for t in outputs)
+    for t, (shape, stride, dtype) in zip(outputs, answer):
+        like = torch.empty_strided(shape, stride, dtype=dtype, device="meta")
+        if t.storage_offset() or t.untyped_storage().nbytes() != like.untyped_storage().nbytes():
+            return None
+    answer.many = isinstance(out, tuple)
+    return answer
 
 
 def meta_as(device: str, threads: int | None = None, arch: str | None = None):
