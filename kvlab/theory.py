@@ -501,7 +501,7 @@ def _lm_head_phase(r: Run, step: Step) -> dict:
     return {
         **_around_the_layer(step),
         "logits of the kept positions": s.rows * _kept_positions(r, step) * s.vocab * s.e,
-        "fp32 upcast of every position's logits (<= 4.42)": s.rows * fed * s.vocab * FP32
+        "fp32 upcast of every position's logits (<= 4.44)": s.rows * fed * s.vocab * FP32
         if r.release.major == 4 and s.e != FP32
         else 0,
         "final hidden states": s.rows * fed * s.hidden * s.e,
