@@ -10,7 +10,8 @@ the scratch of the kernels where a peak falls (SDPA) from their shapes.
 On CPU the counter runs beside the allocator for attribution: it knows which tensor a block is. The report gives
 the peak, a per-step timeline and what was live at the peak, split into weights / kv / logits / other by the
 caller's labels (`meter.label(tensors, "kv")`) and `kernels`: the blocks only the allocator saw, allocated inside
-a kernel (on CPU; never silently missing).
+a kernel (on CPU; never silently missing); and of the kv, what was made before the peak's step began
+(`previous_kv_bytes`: the cache that step started from, still held; `meter.step()` marks where steps begin).
 """
 
 from __future__ import annotations
@@ -126,7 +127,9 @@ class LiveStorageCounter(TorchDispatchMode):
         self.timed = timed
         self.births: list[tuple[int, int, int, int]] = []  # (serial, address, nbytes, ns), with timed=True
         self.deaths: dict[int, int] = {}  # serial -> ns
-        self._serials = itertools.count()
+        self.serials = 0  # storages registered so far: the next one's serial
+        self.step_starts: list[int] = []  # the first serial of each step after the first (`close_step`)
+        self.peak_step = 0  # the step the peak fell in
         self.live: dict[int, tuple[int, int]] = {}  # storage key -> (serial, nbytes)
         self.live_bytes = 0
         self.peak_bytes = 0
@@ -154,7 +157,8 @@ class LiveStorageCounter(TorchDispatchMode):
             # storage also passes through it but wraps numpy's memory, which is not an allocation.
             if key in inputs and not (func is LIFT_FRESH and storage.resizable()):
                 continue
-            serial = next(self._serials)
+            serial = self.serials
+            self.serials += 1
             self.live[key] = (serial, nbytes)
             weakref.finalize(storage, self._free, key)
             self._add(nbytes)
@@ -184,6 +188,7 @@ class LiveStorageCounter(TorchDispatchMode):
         if self.live_bytes > self.peak_bytes:
             self.peak_bytes = self.live_bytes
             self.peak_storages = list(self.live.values()) + ([(-1, scratch)] if scratch else [])
+            self.peak_step = len(self.step_starts)
 
     def _born(self, serial: int, storage, nbytes: int):
         if self.timed:
@@ -195,6 +200,15 @@ class LiveStorageCounter(TorchDispatchMode):
             self.live_bytes -= entry[1]
             if self.timed:
                 self.deaths[entry[0]] = time.time_ns()
+
+    def close_step(self):
+        """A step ends here: the storages registered from now on are the next step's."""
+        self.step_starts.append(self.serials)
+        self.step_peak_bytes = self.live_bytes
+
+    def made_before_step(self, serial: int, step: int) -> bool:
+        """Whether storage `serial` was made before step `step` began (step 0: nothing was)."""
+        return step > 0 and serial < self.step_starts[step - 1]
 
     def serial_of(self, tensor: torch.Tensor):
         entry = self.live.get(tensor.untyped_storage()._cdata)
@@ -229,6 +243,9 @@ class MemoryReport:
     timeline: list[StepMemory] = field(default_factory=list)
     at_peak: dict[str, int] = field(default_factory=dict)  # category -> bytes live at the peak
     storages_peak_bytes: int | None = None  # the live-storage count's peak above the start (CPU; CUDA when tracked)
+    # Of at_peak["kv"], the storages made before the step the peak falls in began: the cache that step started from,
+    # still referenced at its peak (the rest of "kv" the step made). None where at_peak is not split.
+    previous_kv_bytes: int | None = None
 
     @property
     def overhead_bytes(self) -> int:
@@ -459,13 +476,13 @@ class MemoryMeter(Meter):
         if self.counter is not None:
             self.counter.peak_bytes = self.counter.live_bytes
             self.counter.peak_storages = list(self.counter.live.values())
+            self.counter.peak_step = len(self.counter.step_starts)
 
     def step(self):
         """Close one decoding step: record live bytes now and the peak since the last step."""
         if self.allocator is not None:
             self.allocator.mark()  # the timeline is read from the allocator's events at the end
-            return
-        if self.on_cuda:
+        elif self.on_cuda:
             torch.cuda.synchronize(self.device)
             peak = torch.cuda.max_memory_allocated(self.device) - self.start_allocated
             self.cuda_peak = max(self.cuda_peak, peak)
@@ -473,10 +490,10 @@ class MemoryMeter(Meter):
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
             peak = self.counter.step_peak_bytes
-        live = self.live_bytes()
-        self.timeline.append(StepMemory(len(self.timeline), live, peak))
+        if self.allocator is None:
+            self.timeline.append(StepMemory(len(self.timeline), self.live_bytes(), peak))
         if self.counter is not None:
-            self.counter.step_peak_bytes = self.counter.live_bytes
+            self.counter.close_step()
 
     def label(self, tensors, category: str):
         """Name the storages behind `tensors` (any nesting of tensors) as `category`."""
@@ -493,6 +510,7 @@ class MemoryMeter(Meter):
     def _make_report(self) -> MemoryReport:
         storages_peak = self.counter.peak_bytes if self.counter is not None else None
         if self.allocator is not None:
+            at_peak, previous = self._split_allocator_peak()
             return MemoryReport(
                 str(self.device),
                 "cpu-allocator",
@@ -500,13 +518,13 @@ class MemoryMeter(Meter):
                 self.weights + self.allocator.peak_bytes,
                 None,
                 self.timeline,
-                self._split_allocator_peak(),
+                at_peak,
                 storages_peak,
+                previous,
             )
-        at_peak = {"weights": self.weights, "kv": 0, "logits": 0, "other": 0}
+        at_peak, previous = {"weights": self.weights, "kv": 0, "logits": 0, "other": 0}, None
         if self.counter is not None:
-            for serial, nbytes in self.counter.peak_storages:
-                at_peak[self.labels.get(serial, "other")] += nbytes
+            at_peak, previous = self._split(self.counter.peak_storages, self.counter.peak_step, kernels=False)
         if not self.on_cuda:
             return MemoryReport(
                 str(self.device),
@@ -516,6 +534,7 @@ class MemoryMeter(Meter):
                 None,
                 self.timeline,
                 at_peak,
+                previous_kv_bytes=previous,
             )
         peak = max(self.cuda_peak, torch.cuda.max_memory_allocated(self.device) - self.start_allocated)
         reserved = max(self.reserved_peak, torch.cuda.max_memory_reserved(self.device))
@@ -528,24 +547,33 @@ class MemoryMeter(Meter):
             self.timeline,
             at_peak,
             storages_peak,
+            previous,
         )
 
-    def _split_allocator_peak(self) -> dict[str, int]:
-        """The blocks live at the allocator's peak, by what the counter knew them as; `kernels`: blocks no op output
-        is (allocated inside a kernel and freed before it returned, or held there while the peak fell inside it)."""
-        at_peak = {"weights": self.weights}
+    def _split_allocator_peak(self) -> tuple[dict[str, int], int | None]:
+        """The blocks live at the allocator's peak, by what the counter knew them as (`_split`); `kernels`: blocks no
+        op output is (allocated inside a kernel and freed before it returned, or held there while the peak fell
+        inside it)."""
         if self.counter is None:
-            return at_peak
-        at_peak.update({"kv": 0, "logits": 0, "other": 0, KERNELS: 0})
+            return {"weights": self.weights}, None
         allocator = self.allocator
         if not allocator.events:
-            return at_peak
+            return self._split([], 0, kernels=True)
         owner = match_blocks(allocator.blocks, self.counter.births, self.counter.deaths)
-        for block in allocator.live_at(allocator.peak_event):
-            serial = owner.get(block)
+        live = [(owner.get(block), allocator.blocks[block][1]) for block in allocator.live_at(allocator.peak_event)]
+        return self._split(live, bisect.bisect_right(allocator.ends, allocator.peak_event), kernels=True)
+
+    def _split(self, storages, step: int, kernels: bool) -> tuple[dict[str, int], int]:
+        """`storages` (serial, or None for a kernel's block; bytes), live at a peak in step `step`, by category; and
+        the bytes of the `kv` among them made before that step began (MemoryReport.previous_kv_bytes)."""
+        at_peak = {"weights": self.weights, "kv": 0, "logits": 0, "other": 0} | ({KERNELS: 0} if kernels else {})
+        previous = 0
+        for serial, nbytes in storages:
             category = KERNELS if serial is None else self.labels.get(serial, "other")
-            at_peak[category] += allocator.blocks[block][1]
-        return at_peak
+            at_peak[category] += nbytes
+            if category == "kv" and self.counter.made_before_step(serial, step):
+                previous += nbytes
+        return at_peak, previous
 
 
 def storage_bytes(tensors) -> int:

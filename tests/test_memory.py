@@ -105,6 +105,31 @@ def test_cat_doubles_only_while_the_old_tensor_is_referenced():
     del old
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_the_cache_made_before_the_peaks_step_is_told_apart(device):
+    """At a cat's peak, the old tensor (made a step earlier, still held) is the previous cache; the cat's output the
+    step's own; the allocator (CPU) or the counter (meta) gives the peak, and the split adds up to it."""
+    with MemoryMeter(device) as meter:
+        old = torch.zeros(1000, device=device)
+        meter.label(old, "kv")
+        meter.step()
+        new = torch.cat([old, torch.ones(1, device=device)])  # the one (1 element, "other") freed after the cat
+        meter.label(new, "kv")
+        meter.step()
+    report = meter.report()
+    assert report.peak_bytes == (1000 + 1 + 1001) * F32 == sum(report.at_peak.values())
+    assert report.at_peak["kv"] == (1000 + 1001) * F32 and report.previous_kv_bytes == 1000 * F32
+    del old, new
+
+
+def test_the_previous_cache_is_none_where_a_peak_has_no_split():
+    with MemoryMeter("cpu", track_storages=False) as meter:
+        x = torch.ones(10)
+        meter.step()
+    assert meter.report().previous_kv_bytes is None
+    del x
+
+
 def test_views_inplace_ops_and_old_tensors_are_not_counted():
     weights = torch.ones(10_000)  # existed before the meter: a baseline, not an allocation
     with MemoryMeter("cpu") as meter:

@@ -304,6 +304,28 @@ def test_a_timeline_panel_whose_peak_is_its_live_line_says_so():
     assert [t.get_text() for t in labels][-2:] == ["1× final KV", "2× final KV"]
 
 
+def test_the_holders_figure_splits_the_cache_at_the_peak_and_names_what_it_cannot_draw():
+    """Lesson 02's figure: the meter's kv split into the cache from earlier steps and the step's own, the rest by
+    category; a holder too small to draw is named under the axis with its size, one that is nowhere is not."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvlab.meter import MemoryReport
+    from kvlab.notebook.figures.torch_cat import HOLDERS, holders_at_peak, plot_holders
+
+    mib = 2**20
+    parts = {"weights": 7 * mib, "kv": 10 * mib, "logits": 2048, "other": mib, "kernels": 0}
+    report = MemoryReport("cpu", "cpu-allocator", 7 * mib, 18 * mib + 2048, None, [], parts, None, 4 * mib)
+    assert list(holders_at_peak(report).values()) == [4 * mib, 6 * mib, 2048, mib, 0]
+    fig, table = plot_holders({"a": report}, kv_bytes=5 * mib)
+    assert list(table.columns) == list(HOLDERS) and table.loc["a"].sum() * mib == report.overhead_bytes
+    xlabel = fig.axes[0].get_xlabel()
+    assert "logits, at most 2 KiB" in xlabel and "kernels" not in xlabel
+    assert [t.get_text() for t in fig.legends[0].get_texts()][-3:] == list(HOLDERS)[:2] + ["activations and the rest"]
+    with pytest.raises(ValueError, match="track_storages"):
+        holders_at_peak(MemoryReport("cuda", "cuda-allocator", 0, mib, mib, [], {"weights": 0}))
+
+
 def test_stream_modes_with_identical_lines_are_drawn_once_when_asked():
     import matplotlib
 

@@ -200,6 +200,20 @@ def test_the_terms_theory_names_are_what_the_meter_labels_at_the_peak(toy):
     assert report.at_peak["kv"] == terms["old tuple still referenced"] + terms["cache after the update"]
 
 
+@pytest.mark.parametrize("cache, loop", [("tuple", "v4.40"), ("dynamic", "v4.42")])
+def test_the_previous_cache_at_the_peak_is_what_theory_says_is_still_held(toy, cache, loop):
+    """Lesson 02's figure: at the peak, the cache tensors made before the peak's step (the whole old tuple; with one
+    cache object, the one tensor its cat is copying) are the theory's terms for them, to the byte; the split of the
+    peak adds up to the allocator's peak."""
+    point = dict(cache=cache, loop=loop, batch=4, prompt=32, new=64)
+    _, report = measure(toy, timing=False, **point)
+    terms = theory.breakdown(toy.config, **point)["terms_bytes"]
+    held = terms.get("old tuple still referenced", 0) + terms.get("old values tensor during its cat", 0)
+    assert report.method == "cpu-allocator" and sum(report.at_peak.values()) == report.peak_bytes
+    assert held > 0 and report.previous_kv_bytes == held
+    assert report.at_peak["kv"] - report.previous_kv_bytes == terms["cache after the update"]
+
+
 TWIN_DESIGNS = [("tuple", "v4.40"), ("dynamic", "v4.42"), ("dynamic", "v5"), ("prealloc", "v5")]
 
 

@@ -1,6 +1,6 @@
 """What lessons 01-03 share besides their figures (kvlab.notebook.figures, one module per lesson): MiB, the figures'
-width and theme, the device's name, step peaks, and lesson 02's excerpts of PR #30536 (the measurements themselves
-come from kvlab.lab.point and kvlab.meter)."""
+width and theme, the device's name, step peaks, and lesson 02's excerpts of PR #30536 and their diff (the
+measurements themselves come from kvlab.lab.point and kvlab.meter)."""
 
 from __future__ import annotations
 
@@ -119,3 +119,25 @@ def release_excerpts(data_dir) -> tuple[dict, str]:
     if committed.is_file() and json.loads(committed.read_text()) != excerpts:
         raise ValueError(f"data/{PR_EXCERPTS_FILE} differs from the installed releases: write it again")
     return excerpts, "the installed releases"
+
+
+GITHUB_LINE = "https://github.com/huggingface/transformers/blob/v{version}/src/transformers/{path}#L{line}"
+
+
+def release_diff(excerpts: dict, titles) -> str:
+    """Markdown: each excerpt of `release_excerpts` named in `titles`, as a unified diff of 4.40.1's lines against
+    4.42.4's (`-` 4.40.1's alone, `+` 4.42.4's alone; an unchanged one shown whole), linked to both releases' lines."""
+    import difflib
+
+    blocks = []
+    for title in titles:
+        before, after = excerpts["4.40.1"][title], excerpts["4.42.4"][title]
+        indent = min(len(s) - len(s.lstrip()) for s in before["lines"] + after["lines"] if s.strip())
+        old, new = ("\n".join(s[indent:] for s in e["lines"]).rstrip().splitlines() for e in (before, after))
+        diff = list(difflib.unified_diff(old, new, lineterm="", n=len(old) + len(new)))[3:]  # no header
+        links = ", ".join(
+            f"[{v} line {e[title]['line']}]({GITHUB_LINE.format(version=v, **e[title])})" for v, e in excerpts.items()
+        )
+        body = "\n".join(diff or [" " + s for s in old])
+        blocks.append(f"**{title}** ({'changed' if diff else '**unchanged**'}; {links})\n```diff\n{body}\n```")
+    return "\n\n".join(blocks)

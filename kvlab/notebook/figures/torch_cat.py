@@ -1,5 +1,6 @@
-"""Lesson 01's figure, also drawn by lessons 02 and 04 and appendix A6: each design's live bytes and peak, step by
-step (MiB above the weights), with the final KV's multiples drawn over them."""
+"""Lessons 01 and 02's figures: each design's live bytes and peak, step by step (MiB above the weights), with the
+final KV's multiples drawn over them (01; also 04, A4, A6); and who holds the bytes live at each design's peak,
+from the meter's split of it (02; also A4)."""
 
 from __future__ import annotations
 
@@ -75,3 +76,58 @@ def plot_timelines(
         fig.suptitle(title, fontsize=11)
     fig.tight_layout(rect=(0, 0.5 / height, 1, 1))
     return fig
+
+
+# Who holds the bytes live at a peak (the weights aside), from MemoryReport.at_peak and previous_kv_bytes, and the
+# colour each is drawn in.
+HOLDERS = {
+    "cache from earlier steps, still held": "tab:red",
+    "cache made in the peak's step": "tab:blue",
+    "logits": "tab:orange",
+    "activations and the rest": "tab:green",
+    "inside kernels": "tab:gray",
+}
+
+
+def holders_at_peak(report) -> dict[str, int]:
+    """The bytes live at `report`'s peak above the weights, by holder (HOLDERS' order): the meter's `kv` split into
+    the storages made before the peak's step began and those made in it; `logits`; `other`; `kernels`."""
+    if report.previous_kv_bytes is None:
+        raise ValueError("this report does not split its peak: measure with track_storages (the default on CPU)")
+    parts = report.at_peak
+    earlier = report.previous_kv_bytes
+    values = (earlier, parts["kv"] - earlier, parts["logits"], parts["other"], parts.get("kernels", 0))
+    return dict(zip(HOLDERS, values))
+
+
+def plot_holders(reports: dict, kv_bytes: int | None = None, title: str = "", smallest: float = 0.005):
+    """One stacked horizontal bar per design: who holds the bytes live at its peak (MiB, weights aside); `kv_bytes`:
+    black lines at one and two of it. A holder nowhere wider than `smallest` of the widest bar would be an invisible
+    bar with a legend entry: it is left out, its largest value (if any) written under the axis. Segments wide
+    enough carry their MiB. Returns the figure and the table drawn (MiB, every holder)."""
+    table = pd.DataFrame({name: holders_at_peak(report) for name, report in reports.items()}).T / MIB
+    widest = table.sum(axis=1).max()
+    shown = [holder for holder in HOLDERS if table[holder].max() >= smallest * widest]
+    height = 0.55 * len(table) + 2.4
+    fig, ax = plt.subplots(figsize=(WIDTH, height))
+    table[shown].plot.barh(stacked=True, color=HOLDERS, width=0.6, ax=ax, legend=False)
+    for bars in ax.containers:
+        labels = [f"{bar.get_width():.1f}" if bar.get_width() >= 0.08 * widest else "" for bar in bars]
+        ax.bar_label(bars, labels=labels, label_type="center", color="white", fontsize=9)
+    for multiple in (1, 2) if kv_bytes else ():
+        ax.axvline(
+            multiple * kv_bytes / MIB,
+            color="black",
+            linestyle=KV_LINE_STYLES[multiple],
+            linewidth=1,
+            label=f"{multiple}× final KV",
+        )
+    ax.invert_yaxis()
+    small = [f"{h}, at most {table[h].max() * 1024:.0f} KiB" for h in HOLDERS if h not in shown and table[h].max()]
+    xlabel = "bytes live at the design's peak, above the weights (MiB)"
+    ax.set(xlabel=xlabel + (f"\n(too small to draw: {'; '.join(small)})" if small else ""), ylabel="")
+    ax.set_title(title, fontsize=10)
+    handles, labels = ax.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
+    fig.tight_layout(rect=(0, 0.45 / height, 1, 1))
+    return fig, table

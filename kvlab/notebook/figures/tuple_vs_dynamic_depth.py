@@ -1,46 +1,38 @@
-"""Appendix A4's figure and terms: what is live at each design's peak, and the big terms of the first two steps."""
+"""Appendix A4's figure and terms of the PR's two fixes: each design's peak in the first two steps, and the big terms
+of those steps (who holds what at each design's peak is lesson 02's figure, in torch_cat)."""
 
 from __future__ import annotations
 
 import matplotlib.pyplot as plt
 import pandas as pd
+import seaborn as sns
 
 from ..helpers import MIB
 
-CATEGORY_COLORS = {
-    "kv": "tab:blue",
-    "logits": "tab:orange",
-    "other": "tab:green",
-    "kernels": "tab:gray",
-}  # at the peak, weights aside
+REFERENCE_STYLES = [(":", "black"), ("--", "black"), ("-.", "tab:orange")]  # the two-fixes figure's lines, in order
 
 
-def plot_at_peak(reports: dict, title: str = "", smallest: float = 0.005):
-    """Stacked horizontal bars (pandas): what was live at each design's peak besides the weights (MiB). A category
-    that is nowhere wider than `smallest` of the widest bar would be an invisible bar with a legend entry: it is
-    left out of the bars and the legend, and its largest value is written in the x label. The legend sits to the
-    right of the bars, over no data."""
-    df = pd.DataFrame(
-        {name: {c: report.at_peak.get(c, 0) / MIB for c in CATEGORY_COLORS} for name, report in reports.items()}
-    ).T
-    visible = [c for c in CATEGORY_COLORS if df[c].max() >= smallest * df.sum(axis=1).max()]
-    fig, ax = plt.subplots(figsize=(9, 0.45 * len(df) + 1.8))
-    df[visible].plot.barh(stacked=True, color=CATEGORY_COLORS, width=0.8, ax=ax)
-    ax.invert_yaxis()
-    small = [f"{c}, at most {df[c].max() * 1024:.0f} KiB" for c in CATEGORY_COLORS if c not in visible]
-    xlabel = "bytes live at the peak (MiB), weights excluded"
-    ax.set(xlabel=xlabel + (f"\n(too small to draw: {'; '.join(small)})" if small else ""), ylabel="cache/loop")
+def plot_two_fixes(steps: pd.DataFrame, references: dict, title: str = ""):
+    """Section 5's figure: each design's peak in step 0 and step 1 (`steps`: MiB, a column per step, a row per
+    cache/loop) as grouped horizontal bars, with `references` (label -> bytes: three, 1x and 2x KV and the prompt's
+    logits) as vertical lines over them, styled in REFERENCE_STYLES' order."""
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    long = steps.reset_index().melt(id_vars="cache/loop", var_name="step", value_name="MiB")
+    sns.barplot(data=long, y="cache/loop", x="MiB", hue="step", palette=["tab:gray", "tab:red"], ax=ax)
+    for (label, x), (style, color) in zip(references.items(), REFERENCE_STYLES, strict=True):
+        ax.axvline(x / MIB, color=color, linestyle=style, linewidth=1.3, zorder=5, label=label)
+    ax.set_xlabel("peak inside the step, above the weights and inputs (MiB)")
     ax.set_title(title, fontsize=10)
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9, frameon=False)
+    ax.legend(title=None, fontsize=9, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=3, frameon=False)
     fig.tight_layout()
-    return fig, df.round(3)
+    return fig
 
 
 def two_fixes_terms(config, cache: str, loop: str, batch: int, prompt: int, dtype: str) -> dict:
     """The big terms of the first two steps (bytes) at a logits point, from the loop's description alone: step 0
     (the prompt's forward) holds the prompt's KV and, before v5, every prompt position's logits (twice in bf16:
     the model's dtype and the fp32 upcast); step 1 holds the cache (twice for the tuple round trip) and, under
-    v4.40, the prompt's fp32 logits kept from step 0. Notebook 02 sets them beside the measured peaks."""
+    v4.40, the prompt's fp32 logits kept from step 0. Appendix A4 sets them beside the measured peaks."""
     from ...loops import LOOPS
     from ...models import element_size, kv_bytes_per_token
 
