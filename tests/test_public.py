@@ -305,8 +305,8 @@ def _releases():
 
 
 def _traced():
-    lesson = printed("05_traced_and_exported.ipynb")
-    return [shown(r"^jit-trace tuple +([\d.]+)", lesson), shown(r"^export static +([\d.]+)", lesson)], {}
+    lesson = printed("04_strategies_and_restart.ipynb")
+    return [shown(r"^jit-trace tuple: ([\d.]+)× the final KV", lesson), shown(r"^export static: ([\d.]+)×", lesson)], {}
 
 
 def _reused():
@@ -389,7 +389,7 @@ README_ROWS = {
     "restart": ("4.42's default restart", "notebooks/04_strategies_and_restart.ipynb", _restart),
     "smollm2": ("the running example, SmolLM2-135M", "notebooks/01_torch_cat_copies.ipynb", _smollm2),
     "releases": ("kvlab's loops against the real", "docs/results.md#the-real-releases-matched-cpu", _releases),
-    "traced": ("a traced graph", "notebooks/05_traced_and_exported.ipynb", _traced),
+    "traced": ("a traced graph", "notebooks/04_strategies_and_restart.ipynb", _traced),
     "reused": ("one reused static cache", "notebooks/06_encoder_decoder_static_cache.ipynb", _reused),
     "todays": ("5.24's own `generate()`", "notebooks/07_todays_generate.ipynb", _todays),
     "theory": ("`kvlab.theory` against every stored point", "docs/results.md#theory", _theory),
