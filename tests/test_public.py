@@ -358,7 +358,8 @@ SAVERS = ("fp8", "quanto-int4", "hqq-int4", "sliding")  # in the row's order
 
 
 def _savers():
-    lesson, data = printed("06_will_it_fit.ipynb"), pd.read_csv(ROOT / "data/today/savers.csv").set_index("saver")
+    lesson = printed("A11_dry_run_and_savers.ipynb")
+    data = pd.read_csv(ROOT / "data/today/savers.csv").set_index("saver")
     measured = []
     for saver in SAVERS:  # the HTML table: model, KV saved, predicted, peak saved, predicted, ...
         cells = re.search(
@@ -366,7 +367,7 @@ def _savers():
             rf"<td>[^<]*\((-?[\d.]+)%\)</td>",
             lesson,
         )
-        assert cells, f"lesson 06 shows no savers row for {saver}"
+        assert cells, f"appendix A11 shows no savers row for {saver}"
         window = re.search(r"sliding_window=(\d+)", cells.group(1))
         measured += ([float(window.group(1))] if window else []) + [float(cells.group(2)), float(cells.group(3))]
     rows = data.loc[list(SAVERS)]
@@ -393,7 +394,7 @@ README_ROWS = {
     "reused": ("one reused static cache", "notebooks/A10_encoder_decoder_static_cache.ipynb", _reused),
     "todays": ("5.24's own `generate()`", "notebooks/05_todays_generate.ipynb", _todays),
     "theory": ("`kvlab.theory` against every stored point", "docs/results.md#theory", _theory),
-    "savers": ("today's memory savers", "notebooks/06_will_it_fit.ipynb", _savers),
+    "savers": ("today's memory savers", "notebooks/A11_dry_run_and_savers.ipynb", _savers),
 }
 
 

@@ -1,5 +1,5 @@
 """Lesson 06's figures and tables: the predicted peak against a memory budget, live, beside a KV-only planner's
-answer, and kvlab.savers' stored rows."""
+answer; and appendix A11's: kvlab.savers' stored rows."""
 
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def kv_only_plan(prediction: dict, context: int) -> dict:
 
 
 def savers_summary(table: pd.DataFrame) -> pd.DataFrame:
-    """kvlab.savers' stored rows (data/today/savers.csv) as lesson 06 shows them, one per saver: the KV it saves
+    """kvlab.savers' stored rows (data/today/savers.csv) as appendix A11 shows them, one per saver: the KV it saves
     (share of the baseline's KV) and the peak it saves (share of the baseline's peak above the weights), measured
     and predicted; for a twin, what its full-size model's whole peak saves (predicted); where the saver's peak
     falls and the largest storage there that is not the cache (kvlab.explain). "–": not run (see the row's note)."""
