@@ -5,7 +5,7 @@
 1. Conversion (kvlab.graphs.conversion): tuples -> DynamicCache copies the whole cache in transformers 5.x
    (peak = one more cache, counted by the live-storage meter), cache -> tuples returns views; seconds per
    GiB, median of 5, at three cache sizes.
-2. Speed: every variant of notebook 05 (kvlab.graphs.VARIANTS) decodes the same point, interleaved
+2. Speed: every variant of appendix A9 (kvlab.graphs.VARIANTS) decodes the same point, interleaved
    `--repeats` times, no meter running; the table prints median tokens/s and the ratio to eager dynamic.
 """
 

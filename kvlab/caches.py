@@ -32,7 +32,7 @@ from transformers.cache_utils import (
 
 from .compat import cache_argument
 from .counts import ATTENTION, WINDOWED, layer_kinds
-from .counts import sliding_windows as sliding_windows  # notebook 07 imports it from here
+from .counts import sliding_windows as sliding_windows  # lesson 05 imports it from here
 from .meter import storage_bytes
 from .schema import CACHES, DEFAULTS
 

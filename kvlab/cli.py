@@ -1,7 +1,7 @@
 """Command line: `python -m kvlab {measure,compare,predict,explain,sweep,waste,savers}`. Every error is one line,
 `kvlab VERB: error: ...` (argparse's own too), exit status 2 for bad input, before any model is built; so is a point
 predicted not to fit in its device's free memory (unless --force). Every verb runs decoders (encoder-decoders:
-notebook 06). A sweep (a sweep file and/or --grid items → points → an engine) stops on Ctrl-C or SIGTERM with its
+appendix A10). A sweep (a sweep file and/or --grid items → points → an engine) stops on Ctrl-C or SIGTERM with its
 rows kept.
 """
 

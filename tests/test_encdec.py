@@ -176,7 +176,7 @@ def test_compiled_decoder_step_compiles_once_with_max_shapes():
     assert graphs["reused"][0] == 1 and 1 <= sum(graphs["reused"][1:]) <= 3 and graphs["reused"][-2:] == [0, 0]
 
 
-# -- a stream of requests served under the meter (notebook 06, section 4) ---------------------------------------
+# -- a stream of requests served under the meter (appendix A10, section 4) ---------------------------------------
 # The toy T5's decoder: 2 layers x 4 heads x 16 dims, keys and values, fp32: 1 KiB per position of one row.
 POSITION_BYTES = 2 * 2 * 4 * 16 * 4
 

@@ -138,7 +138,7 @@ def test_profiler_meter_on_known_allocations():
     assert [(s.live_bytes, s.peak_bytes) for s in report.timeline] == [(4000, 4000), (12000, 16000)]
 
 
-# -- theory and the claims of notebook 05 --------------------------------------------------------
+# -- theory and the claims of appendix A9 --------------------------------------------------------
 
 TWIN = dict(preset="llama2-7b-twin", batch=2, prompt=24, new=24, timing=False)
 
@@ -273,7 +273,7 @@ def test_the_gpu_sweep_is_valid_and_its_7b_points_are_predicted_as_on_the_twins(
 
     points = validate(expand(*load_sweep("gpu-graphs")), devices_here=False)
     assert all(p["device"] == "cuda" for p in points)
-    for preset in ("llama2-7b", "mistral-7b"):  # every variant of notebook 05 once at each 7B shape
+    for preset in ("llama2-7b", "mistral-7b"):  # every variant of appendix A9 once at each 7B shape
         assert sorted((p["runtime"], p["cache"]) for p in points if p["preset"] == preset) == sorted(VARIANTS)
     for preset in ("llama2-7b", "mistral-7b"):
         config = build_config(preset)

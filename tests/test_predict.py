@@ -278,7 +278,7 @@ def test_a_local_config_json_of_todays_layouts(tmp_path, capsys, no_model, prese
 
 
 def test_a_kv_only_planner_counts_the_weights_and_the_textbook_kv():
-    """Lesson 08's comparison: Llama-3-8B's KV by hand, 2 x 32 layers x 8 KV heads x 128 x 2 bytes per token."""
+    """Lesson 06's comparison: Llama-3-8B's KV by hand, 2 x 32 layers x 8 KV heads x 128 x 2 bytes per token."""
     from kvlab.notebook.figures.will_it_fit import kv_only_plan
 
     plan = kvlab.planner.plan.predict("llama3-8b", cache="dynamic", loop="v5", batch=8, prompt=4096, new=2048,

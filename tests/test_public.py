@@ -305,12 +305,12 @@ def _releases():
 
 
 def _traced():
-    lesson = printed("05_traced_and_exported.ipynb")
-    return [shown(r"^jit-trace tuple +([\d.]+)", lesson), shown(r"^export static +([\d.]+)", lesson)], {}
+    lesson = printed("04_strategies_and_restart.ipynb")
+    return [shown(r"^jit-trace tuple: ([\d.]+)× the final KV", lesson), shown(r"^export static: ([\d.]+)×", lesson)], {}
 
 
 def _reused():
-    lesson = printed("06_encoder_decoder_static_cache.ipynb")
+    lesson = printed("A10_encoder_decoder_static_cache.ipynb")
     measured = [
         shown(r"The reused buffers, held at every request after the first: ([\d.]+) MiB", lesson),
         shown(r"newly held after the first request: hf-static ([\d.]+) MiB", lesson),
@@ -319,7 +319,7 @@ def _reused():
 
 
 def _todays():
-    lesson = printed("07_todays_generate.ipynb")
+    lesson = printed("05_todays_generate.ipynb")
     measured = [
         shown(r"^prompt 4608: .* the mask is ([\d.]+) % of that peak", lesson),
         shown(r"^prompt 32768: .* the mask is ([\d.]+) % of that peak", lesson),
@@ -358,7 +358,8 @@ SAVERS = ("fp8", "quanto-int4", "hqq-int4", "sliding")  # in the row's order
 
 
 def _savers():
-    lesson, data = printed("08_will_it_fit.ipynb"), pd.read_csv(ROOT / "data/today/savers.csv").set_index("saver")
+    lesson = printed("A11_dry_run_and_savers.ipynb")
+    data = pd.read_csv(ROOT / "data/today/savers.csv").set_index("saver")
     measured = []
     for saver in SAVERS:  # the HTML table: model, KV saved, predicted, peak saved, predicted, ...
         cells = re.search(
@@ -366,7 +367,7 @@ def _savers():
             rf"<td>[^<]*\((-?[\d.]+)%\)</td>",
             lesson,
         )
-        assert cells, f"lesson 08 shows no savers row for {saver}"
+        assert cells, f"appendix A11 shows no savers row for {saver}"
         window = re.search(r"sliding_window=(\d+)", cells.group(1))
         measured += ([float(window.group(1))] if window else []) + [float(cells.group(2)), float(cells.group(3))]
     rows = data.loc[list(SAVERS)]
@@ -389,11 +390,11 @@ README_ROWS = {
     "restart": ("4.42's default restart", "notebooks/04_strategies_and_restart.ipynb", _restart),
     "smollm2": ("the running example, SmolLM2-135M", "notebooks/01_torch_cat_copies.ipynb", _smollm2),
     "releases": ("kvlab's loops against the real", "docs/results.md#the-real-releases-matched-cpu", _releases),
-    "traced": ("a traced graph", "notebooks/05_traced_and_exported.ipynb", _traced),
-    "reused": ("one reused static cache", "notebooks/06_encoder_decoder_static_cache.ipynb", _reused),
-    "todays": ("5.24's own `generate()`", "notebooks/07_todays_generate.ipynb", _todays),
+    "traced": ("a traced graph", "notebooks/04_strategies_and_restart.ipynb", _traced),
+    "reused": ("one reused static cache", "notebooks/A10_encoder_decoder_static_cache.ipynb", _reused),
+    "todays": ("5.24's own `generate()`", "notebooks/05_todays_generate.ipynb", _todays),
     "theory": ("`kvlab.theory` against every stored point", "docs/results.md#theory", _theory),
-    "savers": ("today's memory savers", "notebooks/08_will_it_fit.ipynb", _savers),
+    "savers": ("today's memory savers", "notebooks/A11_dry_run_and_savers.ipynb", _savers),
 }
 
 

@@ -162,7 +162,7 @@ def test_the_stored_table_keeps_the_claims():
 @pytest.mark.slow
 def test_the_running_examples_answers_are_the_stored_ones():
     """The stored answers (data/today/savers_text.csv) are what SmolLM2 decodes with each lossy saver: the text
-    lesson 08 quotes, where each first leaves the default cache's answer."""
+    appendix A11 quotes, where each first leaves the default cache's answer."""
     from kvlab.lab.savers_table import saver_answers
 
     stored = pd.read_csv(TABLE.with_name("savers_text.csv"), keep_default_na=False)

@@ -73,7 +73,7 @@ def test_the_rows_split_the_peak_the_profiler_measures(name):
 @pytest.mark.parametrize("name", DECODE_PEAK)
 def test_the_cache_update_at_the_peak_holds_one_layers_keys(name):
     # At the last step the cat of one layer's keys (or values) is alive beside the old ones: 1 / (2 x layers) of
-    # the final cache (notebook 07), prompt + new - 1 tokens for every sequence (beams included).
+    # the final cache (lesson 05), prompt + new - 1 tokens for every sequence (beams included).
     point = DECODE_PEAK[name]
     config = build_config(point["preset"], point["overrides"])
     beams = point["generate"].get("num_beams", 1)
@@ -131,7 +131,7 @@ def test_stored_final_caches_and_cache_updates_are_the_shapes():
 def test_stored_mask_term_is_a_bool_and_a_bf16_mask_past_a_window():
     """The attention mask term of data/today/waste.csv: at long-greedy's peak (SDPA in the prompt's forward, past the
     window) the bool mask, batch x prompt x prompt, and SDPA's bfloat16 copy of it, 3 bytes per query-key pair
-    (lesson 07); the full-attention points skip the mask."""
+    (lesson 05); the full-attention points skip the mask."""
     for name, rows in stored().groupby("point"):
         first = rows.iloc[0]
         config = build_config(first["preset"], first["overrides"].split())

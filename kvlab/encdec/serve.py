@@ -1,4 +1,4 @@
-"""Requests served one after the other with one cache design, each under kvlab's meter (notebook 06, section 4).
+"""Requests served one after the other with one cache design, each under kvlab's meter (appendix A10, section 4).
 
 Modes: `hf-static` (transformers' `generate(cache_implementation="static")`: a new cache per call), `reused` and
 `reused-max` (one `ReusableStaticCache`, shapes "exact" and "max"), `dynamic` (`kvlab.encdec.generate` on

@@ -236,7 +236,7 @@ def generate_graph(
     return Generation(tokens, kv, time.perf_counter() - start)
 
 
-# The comparison of notebook 05: (runtime, cache), the eager references first.
+# The comparison of appendix A9: (runtime, cache), the eager references first.
 VARIANTS = (
     ("eager", "dynamic"),
     ("eager", "prealloc"),

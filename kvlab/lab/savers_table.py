@@ -1,5 +1,5 @@
 """The stored tables of kvlab.savers (`python -m kvlab savers`): OUT/savers.csv, and the running example's answer
-with each lossy saver (`python -m kvlab savers text`: OUT/savers_text.csv, lesson 08 quotes it), each run logged in
+with each lossy saver (`python -m kvlab savers text`: OUT/savers_text.csv, appendix A11 quotes it), each run logged in
 OUT/provenance.json with the quantization backends' versions. Measuring is kvlab.savers'; writing is the lab's."""
 
 from __future__ import annotations

@@ -27,9 +27,9 @@ MACHINE_PATHS = re.compile(
     + r"|/home/\w|/root/|/tmp/|/content/|site-packages|[A-Z]:\\\\Users"
 )
 WARNING = re.compile(r"\w*Warning\b|^warning:", re.IGNORECASE | re.MULTILINE)
-# A lesson (01-07, not an appendix) is read in one sitting: its prose is at most this many words, and the seven
+# A lesson (01-06, not an appendix) is read in one sitting: its prose is at most this many words, and the six
 # together at most LESSONS_WORDS; longer material goes to an appendix (notebooks/README.md).
-LESSON_WORDS, LESSONS_WORDS = 1500, 7500
+LESSON_WORDS, LESSONS_WORDS = 1500, 6300
 TABLE_ROWS = 12  # the most rows a lesson's table shows
 FENCE = re.compile(r"```.*?```", re.DOTALL)
 HTML_ROW = re.compile(r"<tr\b")

@@ -111,7 +111,7 @@ def _local_config(source: str):
 
 
 def check_decoder(config, source: str) -> None:
-    """Refuse, in one line, a config kvlab cannot decode with: an encoder-decoder (notebook 06 serves those), an
+    """Refuse, in one line, a config kvlab cannot decode with: an encoder-decoder (appendix A10 serves those), an
     encoder-only model such as BERT (it reads text and generates none: its causal-LM head is a decoder only when
     built as one, with is_decoder) and a model with no causal LM at all, such as a vision model (ViT)."""
     from transformers.models.auto.modeling_auto import (
@@ -123,7 +123,7 @@ def check_decoder(config, source: str) -> None:
     if config.is_encoder_decoder:
         raise ValueError(
             f"{source} is an encoder-decoder model: measure, predict, compare and sweep run decoders; "
-            "notebook 06 serves them (kvlab.encdec)"
+            "appendix A10 serves them (kvlab.encdec)"
         )
     if kind in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
         why = f"{source} is an encoder-only model ({kind}): it reads text and generates none"

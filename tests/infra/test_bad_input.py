@@ -42,11 +42,11 @@ def cases(tmp: Path) -> list[tuple[list[str], str]]:
             (
                 ["measure", "--preset", "t5-small"],
                 "t5-small is an encoder-decoder model: measure, predict, compare and "
-                "sweep run decoders; notebook 06 serves them",
+                "sweep run decoders; appendix A10 serves them",
             ),
-            (["predict", "--preset", "whisper-tiny"], "notebook 06 serves them"),
-            (["compare", "--preset", "bart-base", "--out", str(tmp / "never")], "notebook 06 serves them"),
-            (["sweep", "--grid", "preset=t5-small", "--dry-run"], "notebook 06 serves them"),
+            (["predict", "--preset", "whisper-tiny"], "appendix A10 serves them"),
+            (["compare", "--preset", "bart-base", "--out", str(tmp / "never")], "appendix A10 serves them"),
+            (["sweep", "--grid", "preset=t5-small", "--dry-run"], "appendix A10 serves them"),
             # local paths, hub ids, configs
             (["measure", "--preset", "./nonexistent/config.json"], f"./nonexistent/config.json: {LOCAL}"),
             (["predict", "--preset", "nonexistent/config.json"], f"nonexistent/config.json: {LOCAL}"),

@@ -194,7 +194,7 @@ def test_every_verb_takes_the_presets_it_runs_and_names_the_lesson_for_the_other
     for preset in DECODERS:  # measure, predict, compare and sweep normalize their points
         assert normalize(preset=preset, device="meta")["preset"] == preset
     for preset in ENCODER_DECODERS:
-        with pytest.raises(ValueError, match=f"^{preset} is an encoder-decoder model: .*notebook 06 serves them"):
+        with pytest.raises(ValueError, match=f"^{preset} is an encoder-decoder model: .*appendix A10 serves them"):
             normalize(preset=preset, device="meta")
 
 

@@ -1,4 +1,4 @@
-"""Lesson 06's figures and check, also used by appendix A7: one line per stream mode, and what kvlab refuses."""
+"""Appendix A10's figures and check, also used by appendix A7: one line per stream mode, and what kvlab refuses."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import inspect
 
 import pandas as pd
 
-# Notebook 06's stream modes (kvlab.encdec.serve.MODES): one colour, marker and dash each, in every figure.
+# Appendix A10's stream modes (kvlab.encdec.serve.MODES): one colour, marker and dash each, in every figure.
 MODE_STYLES = {
     "hf-static": ("tab:red", "o", None),
     "reused": ("tab:blue", "s", (5, 3)),

@@ -1,4 +1,4 @@
-"""Lesson 07's figures: what fills the peak of transformers' own generate() (a kvlab.waste table), and how the
+"""Lesson 05's figures: what fills the peak of transformers' own generate() (a kvlab.waste table), and how the
 cache grows with the tokens seen."""
 
 from __future__ import annotations

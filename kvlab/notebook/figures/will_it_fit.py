@@ -1,5 +1,5 @@
-"""Lesson 08's figures and tables: the predicted peak against a memory budget, live, beside a KV-only planner's
-answer, and kvlab.savers' stored rows."""
+"""Lesson 06's figures and tables: the predicted peak against a memory budget, live, beside a KV-only planner's
+answer; and appendix A11's: kvlab.savers' stored rows."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from ..helpers import WIDTH
 
 
 def fit_figure(prediction: dict, title: str = ""):
-    """Lesson 08: each design's predicted peak (GiB) as weights, final KV and the rest of the overhead stacked, the
+    """Lesson 06: each design's predicted peak (GiB) as weights, final KV and the rest of the overhead stacked, the
     memory budget as a vertical line. A KV-only planner's answer is the first two parts; the third is what it
     misses. Designs in the prediction's order, the first on top."""
     gib = 2**30
@@ -37,7 +37,7 @@ def fit_figure(prediction: dict, title: str = ""):
 def plan_widget(
     preset: str, batch: int = 8, prompt: int = 4096, new: int = 512, dtype: str = "bfloat16", memory: str = "80GiB"
 ):
-    """Lesson 08, live: sliders for the batch, the prompt and the new tokens, starting at the notebook's parameters,
+    """Lesson 06, live: sliders for the batch, the prompt and the new tokens, starting at the notebook's parameters,
     a box for the memory; each change predicts again (kvlab.planner.plan) and redraws the figure. Needs a running
     kernel (Jupyter, Colab)."""
     import ipywidgets as widgets
@@ -78,7 +78,7 @@ def kv_only_plan(prediction: dict, context: int) -> dict:
 
 
 def savers_summary(table: pd.DataFrame) -> pd.DataFrame:
-    """kvlab.savers' stored rows (data/today/savers.csv) as lesson 08 shows them, one per saver: the KV it saves
+    """kvlab.savers' stored rows (data/today/savers.csv) as appendix A11 shows them, one per saver: the KV it saves
     (share of the baseline's KV) and the peak it saves (share of the baseline's peak above the weights), measured
     and predicted; for a twin, what its full-size model's whole peak saves (predicted); where the saver's peak
     falls and the largest storage there that is not the cache (kvlab.explain). "–": not run (see the row's note)."""
