@@ -15,6 +15,7 @@ import pytest
 
 from kvlab import theory
 from kvlab.configs import build_config
+from kvlab.planner import theory as planner_theory
 
 ROOT = Path(__file__).resolve().parents[1]
 # What only the extras bring (pyproject.toml: lab, notebooks, jupyter, ray); torch and transformers bring the rest.
@@ -336,7 +337,8 @@ def _todays():
 
 
 def _theory():
-    """kvlab.theory against every kvlab point stored under data/: the largest error (%) and how many points."""
+    """kvlab.planner.theory (kvlab.theory's walk, with the exported programs' phases) against every kvlab point stored
+    under data/: the largest error (%) and how many points."""
     from kvlab import schema
 
     counts = ("batch", "prompt", "new", "restart_new", "num_beams", "chunk_limit", "block_tokens")
@@ -349,7 +351,7 @@ def _theory():
         for _, row in table.iterrows():
             point = {k: int(row[k]) if k in counts else row[k] for k in schema.POINT_KEYS if pd.notna(row.get(k))}
             overrides = row["overrides"] if pd.notna(row["overrides"]) else None
-            predicted = theory.predict_overhead(build_config(row["preset"], overrides), **point)
+            predicted = planner_theory.predict_overhead(build_config(row["preset"], overrides), **point)
             errors.append(abs(row["overhead_bytes"] / predicted - 1))
     return [Within(100 * max(errors)), len(errors)], {}
 
@@ -393,7 +395,7 @@ README_ROWS = {
     "traced": ("a traced graph", "notebooks/04_strategies_and_restart.ipynb", _traced),
     "reused": ("one reused static cache", "notebooks/A10_encoder_decoder_static_cache.ipynb", _reused),
     "todays": ("5.24's own `generate()`", "notebooks/05_todays_generate.ipynb", _todays),
-    "theory": ("`kvlab.theory` against every stored point", "docs/results.md#theory", _theory),
+    "theory": ("`kvlab.planner.theory` against every stored point", "docs/results.md#theory", _theory),
     "savers": ("today's memory savers", "notebooks/A11_dry_run_and_savers.ipynb", _savers),
 }
 
