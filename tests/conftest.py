@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kvlab.models import build_model
+from kvlab.planner.sources import build_model  # presets, and the config.json folders of the sliding fixtures
 
 # `make test` runs two pytest-xdist workers (--dist loadgroup). The tests of each costly fixture (a Colab-like virtual
 # environment, a minute of decoding) share a group, so one worker builds it, once: session-scoped, so tests of another

@@ -74,7 +74,7 @@ def test_forward_fills_the_cache_passed_under_that_name_and_hands_it_back(toy, i
 LOAD = """
 import sys, torch
 from safetensors.torch import load_file
-from kvlab.models import build_model
+from kvlab.planner.sources import build_model
 loaded = build_model("kvlab-test/toy").state_dict()
 print(all(torch.equal(tensor, loaded[name]) for name, tensor in load_file(sys.argv[1]).items()))
 """
