@@ -13,7 +13,7 @@ from kvlab.lab.point import run_point
 from kvlab.loops import LOOPS, decoding, generate
 from kvlab.models import assert_varied, final_kv_bytes, layer_kinds, random_prompt
 from kvlab.planner.plan import predict
-from kvlab.planner.sources import build_model
+from kvlab.planner.sources import build_model, load_config
 from kvlab.releases import measure_references
 from kvlab.savers import TINY
 from kvlab.schema import DEFAULTS
@@ -159,7 +159,9 @@ def folders(tmp_path_factory):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_kvlab_measures_what_transformers_generate_holds(folders, strategy):
     points = [dict(preset=folder, strategy=strategy, **POINT) for folder in folders.values()]
-    real = measure_references("installed", points)  # one process, the installed release's own generate()
+    real = measure_references(
+        "installed", points, load_config=load_config
+    )  # one process, the installed release's own generate()
     for (model_type, folder), reference in zip(folders.items(), real):
         model = build_model(folder)
         ours = run_point(model, preset=folder, strategy=strategy, timing=False, **POINT)
@@ -180,7 +182,9 @@ def test_in_bf16_too_under_the_allocator(folders, strategy):
     generate() holds under the CPU allocator, or, on a CPU whose bf16 matrix products allocate a oneDNN workspace
     (which predict names), predict holds the counter's tensors and scratch."""
     point = dict(POINT, dtype="bfloat16", strategy=strategy)
-    real = measure_references("installed", [dict(preset=folder, **point) for folder in folders.values()])
+    real = measure_references(
+        "installed", [dict(preset=folder, **point) for folder in folders.values()], load_config=load_config
+    )
     wrong, uncounted = [], None
     for (model_type, folder), reference in zip(folders.items(), real):
         ours = run_point(preset=folder, timing=False, **point)

@@ -12,6 +12,7 @@ from transformers import AutoConfig
 
 from kvlab.lab.point import run_point
 from kvlab.planner.plan import predict
+from kvlab.planner.sources import load_config
 from kvlab.releases import measure_references
 
 OWN_SIZES = dict(vocab_size=256, pad_token_id=0)  # configs whose sizes have names of their own
@@ -74,7 +75,9 @@ def folders(tmp_path_factory):
 @pytest.mark.parametrize("dtype, strategy", MODES, ids=[f"{d}-{s}" for d, s in MODES])
 def test_kvlab_measures_and_predicts_what_generate_holds(folders, dtype, strategy):
     point = point_of(strategy, dtype)
-    real = measure_references("installed", [dict(preset=folder, **point) for folder in folders.values()])
+    real = measure_references(
+        "installed", [dict(preset=folder, **point) for folder in folders.values()], load_config=load_config
+    )
     wrong = []
     for (model_type, folder), reference in zip(folders.items(), real):
         ours = run_point(preset=folder, timing=False, **point)
@@ -99,6 +102,6 @@ def test_beam_scores_of_a_large_vocabulary_die_as_generate_rebinds_them(tmp_path
     scores, so the previous step's scores die first (kvlab's loop kept them: +13.6 % here)."""
     AutoConfig.for_model("llama", **{**SIZES, "vocab_size": 50_000}).to_json_file(tmp_path / "config.json")
     point = dict(batch=2, prompt=64, new=12, dtype="bfloat16", strategy="beam")
-    (reference,) = measure_references("installed", [dict(preset=str(tmp_path), **point)])
+    (reference,) = measure_references("installed", [dict(preset=str(tmp_path), **point)], load_config=load_config)
     ours = run_point(preset=str(tmp_path), timing=False, **point)
     assert ours["overhead_bytes"] == pytest.approx(reference["overhead_bytes"], rel=0.01)

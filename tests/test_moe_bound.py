@@ -14,6 +14,7 @@ from transformers import AutoConfig
 from kvlab.lab.point import run_point
 from kvlab.planner.dry_run import ROUTING_BOUND
 from kvlab.planner.plan import predict
+from kvlab.planner.sources import load_config
 from kvlab.releases import measure_references
 
 FFN = 384  # experts wider than the rest of the model, so that the expert loop holds the peak
@@ -51,7 +52,9 @@ def test_the_bound_is_named_and_never_below_generate(tmp_path, model_type, dtype
     prediction = predict(preset, cache="dynamic", loop="v5", device="cpu", **point)
     (row,) = prediction["designs"]
     assert row["bound"] == ROUTING_BOUND and "routing bounded" in str(prediction)
-    real = measure_references("installed", [dict(preset=preset, seed=seed, **point) for seed in SEEDS])
+    real = measure_references(
+        "installed", [dict(preset=preset, seed=seed, **point) for seed in SEEDS], load_config=load_config
+    )
     peaks = []
     for seed, reference in zip(SEEDS, real):
         ours = run_point(preset=preset, seed=seed, timing=False, **point)

@@ -18,7 +18,7 @@ from kvlab.configs import build_config
 from kvlab.lab.point import run_point
 from kvlab.loops import decoding, generate
 from kvlab.models import assert_varied, kv_bytes_per_token
-from kvlab.planner.sources import build_model
+from kvlab.planner.sources import build_model, load_config
 from kvlab.releases import INSTALLED, measure_references
 
 WINDOW = 64
@@ -203,7 +203,9 @@ def test_theory_of_the_4x_loops_growing_a_sliding_config_in_full(design):
 
 def _against_the_real_5x(preset, overrides, prompt, points, new=40):
     common = dict(preset=preset, overrides=overrides, batch=1, prompt=prompt, new=new, num_beams=3, device="cpu")
-    for point, real in zip(points, measure_references(INSTALLED, [dict(common, **p) for p in points])):
+    for point, real in zip(
+        points, measure_references(INSTALLED, [dict(common, **p) for p in points], load_config=load_config)
+    ):
         ours = run_point(cache="dynamic", loop="v5", timing=False, **common, **point)
         assert ours["overhead_bytes"] / real["overhead_bytes"] == pytest.approx(1, abs=TOLERANCE), (preset, point)
         generated = build_model(preset, overrides, dtype=point["dtype"])
