@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import functools
 import gc
 import itertools
 import os
@@ -69,17 +70,26 @@ def promotion_scratch_bytes(func, args) -> int:
     TensorIteratorBase::compute_types, CPU only; `where` casts its two values likewise). A bf16 mask added to fp32
     scores is a float copy of the mask for the length of the add (tests/test_memory.py holds it against the
     profiler)."""
-    if torch.Tag.pointwise not in func.tags or func in MASKED_FILL:  # masked_fill's mask is no operand
+    if not _promotes(func):
         return 0
     operands = [a for a in (args[1:] if func is WHERE else args) if isinstance(a, (torch.Tensor, bool, int, float))]
     tensors = [a for a in operands if isinstance(a, torch.Tensor)]
     if len(operands) < 2 or not tensors or tensors[0].device.type not in ("cpu", "meta"):
+        return 0
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) == 1 and tensors[0].is_floating_point():  # a number never outranks a floating tensor: no cast
         return 0
     common = _common_dtype(operands)
     size = torch.empty((), dtype=common, device="meta").element_size()
     scratch = sum(t.numel() * size for t in tensors if t.dtype != common)
     inplace = func._schema.name.endswith("_") and tensors[0] is args[0] and tensors[0].dtype != common
     return scratch + inplace * tensors[0].numel() * size
+
+
+@functools.cache
+def _promotes(func) -> bool:
+    """Whether an op's operands are cast to a common dtype: a pointwise op's (masked_fill's mask is no operand)."""
+    return torch.Tag.pointwise in func.tags and func not in MASKED_FILL
 
 
 def _common_dtype(operands) -> torch.dtype:

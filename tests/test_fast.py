@@ -18,9 +18,11 @@ from kvlab.caches import forward
 from kvlab.loops import decoding, generate
 from kvlab.meter import MemoryMeter
 from kvlab.models import random_prompt
-from kvlab.planner.dry_run import ForwardRule, bulk_plan
+from kvlab.planner.dry_run import ForwardRule, bulk_plan, cache_options
+from kvlab.planner.fast import FastDryRun, peak_step
 from kvlab.planner.meta import MetaAsCpu
-from kvlab.planner.plan import predict
+from kvlab.planner.params import normalize
+from kvlab.planner.plan import point_of, predict
 from kvlab.planner.scans import ITERATIONS, SCANS, _reference, short_scans, shortened
 from kvlab.planner.sources import build_model
 
@@ -157,3 +159,30 @@ def test_the_fast_dry_run_of_a_prompt_of_several_chunks(folders, strategy):
             abs(f["predicted_overhead_bytes"] - e["predicted_overhead_bytes"]) <= 0.01 * e["predicted_overhead_bytes"]
         )
         assert f["cache_tokens_per_layer"] == e["cache_tokens_per_layer"], design
+
+
+@pytest.mark.parametrize("model_type", LAYOUTS)
+@pytest.mark.parametrize("strategy", ["greedy", "sample"])  # beam search's reorders: the runs answer
+def test_a_layers_shares_stand_in_for_the_runs_with_a_layer_more(folders, model_type, strategy):
+    """The first cut's shares (kvlab.planner.fast.Shares) give, for every design, the report the other cuts' runs
+    give (each a layer more of a kind), or none where they cannot (a share taken before its layer's forward ended,
+    a layer holding other than its cache)."""
+    p = normalize(target=True, preset=folders[model_type], strategy=strategy, num_beams=3, device="cpu", **POINT)
+    walk = FastDryRun(p)
+    used = 0
+    for cache, loop in DESIGNS:
+        if not runnable(model_type, cache, strategy) or (cache == "tuple" and model_type in ("qwen3_next", "bamba")):
+            continue
+        design = point_of(p, cache=cache, loop=loop)
+        plan = bulk_plan(walk.cut.models[0], cache, p["prompt"], p["new"], cache_options(design))
+        left_out = walk._left_out(design, plan)
+        first, _, shares = walk._run(walk.cut.models[0], design, plan, walk.cut.watched)
+        runs = [first] + [walk._run(model, design, plan)[0] for model in walk.cut.models[1:]]
+        extra = walk.cut.increments(first, shares)
+        if extra is not None:
+            used += 1
+            mine, whole = (walk.cut.extrapolate(reports, left_out) for reports in ([first, *extra], runs))
+            assert (mine.timeline, mine.peak_bytes) == (whole.timeline, whole.peak_bytes), design
+            if len({peak_step(report) for report in [mine, *runs]}) == 1:  # else the runs' split mixes steps
+                assert mine.at_peak == whole.at_peak, design
+    assert used or len(walk.cut.models) == 1

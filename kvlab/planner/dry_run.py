@@ -41,6 +41,7 @@ def dry_run(
     skip: bool = True,
     plan: BulkPlan | None = None,
     as_device=None,
+    counter=None,
     **options,
 ):
     """kvlab's loop (`generate(**options)`) on the meta device for a model built there: (the meter's report, the
@@ -49,7 +50,8 @@ def dry_run(
     fewer forwards still, and only the plan's steps looped (`BulkSkippingForward`), the timeline numbered as in
     the whole loop. The loop's own tensors of a token per step (the ids, positions, beam search's buffers) are then
     shorter by the steps not looped (kvlab.planner.fast extrapolates them).
-    `as_device`: the device the forward allocates as (kvlab.planner.meta; default `MetaAsCpu()`)."""
+    `as_device`: the device the forward allocates as (kvlab.planner.meta; default `MetaAsCpu()`); `counter`: the
+    meter's live-storage counter, if one that notes more than kvlab.meter's (kvlab.planner.fast's shares)."""
     ids = torch.empty((batch, prompt), dtype=torch.long, device="meta")
     cache = options.get("cache", "dynamic")
     if plan is not None and not (skip and isinstance(cache, str)):
@@ -58,8 +60,12 @@ def dry_run(
         step_forward = (
             BulkSkippingForward(plan) if plan else skipping_forward(cache, new, options.get("cache_options") or {})
         )
-        options = dict(options, step_forward=step_forward)
-    with as_device or MetaAsCpu(), KnownShapes(), MemoryMeter("meta", model) as meter:
+        options = {"step_forward": step_forward, **options}
+    meter = MemoryMeter("meta", model)
+    if counter is not None:
+        meter.counter = counter
+        counter.labels = meter.labels  # what the meter names each storage, for a counter that splits its own
+    with as_device or MetaAsCpu(), KnownShapes(), meter:
         out = generate(model, ids, len(plan.visits) if plan else new, meter=meter, **options)
     report = meter.report()
     if plan:
@@ -388,9 +394,9 @@ class DryRun:
         report, cache = self.run(design)
         return report, held_tokens(cache)
 
-    def run(self, design: dict, model=None, plan: BulkPlan | None = None):
-        """The meta run of one design (of `model`, else the whole model; `plan`: as `dry_run`): (the meter's
-        report, the cache it ends with)."""
+    def run(self, design: dict, model=None, plan: BulkPlan | None = None, counter=None, step_forward=None):
+        """The meta run of one design (of `model`, else the whole model; `plan`, `counter`: as `dry_run`;
+        `step_forward`: the plan's, if not `BulkSkippingForward`): (the meter's report, the cache it ends with)."""
         d = design
         strategy = decoding(d["strategy"], d["num_beams"])
         return dry_run(
@@ -404,6 +410,8 @@ class DryRun:
             cache_options=cache_options(d),
             as_device=self.as_device(),
             plan=plan,
+            counter=counter,
+            **({"step_forward": step_forward} if step_forward else {}),
         )
 
 

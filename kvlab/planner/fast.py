@@ -8,7 +8,7 @@ update under the meter and MetaAsCpu: ~0.8 ms), the rest forwarding 48 layers on
 expert of 128 run) at each kept step; `list` and `prealloc` keep 50 and 32 steps more, hence 86 s and 35 s.
 Cut down as below, most of what is left is PyTorch's meta kernels (Python, ~0.3 ms an op), which every dry run
 asks from memory once it has asked them (kvlab.planner.meta.KnownShapes, exact: the same inputs' shapes, the same
-outputs'). Three cuts, each kept exact where it can be:
+outputs'). Four cuts, each kept exact where it can be:
 
 - fewer steps, and no token-by-token growth (`BulkSkippingForward`): of the last `period` steps only those
   where a layer reallocates run the forward (`ForwardRule`; a stand-in cache of one number a token finds which,
@@ -30,6 +30,11 @@ outputs'). Three cuts, each kept exact where it can be:
   What is not linear: a peak inside a layer while layers of another kind after it have not cached yet (the
   prompt's step) counts those later layers' cache early, at most a few layers' share of the prompt's cache
   (benchmarks/predict.py measures the error on six large models; tests/test_fast.py on small ones).
+- one run where it can (`Shares`): b_k is what one more layer of kind k holds at each step, its cache; the base's
+  first layer of each kind, once its forward has ended, holds what a layer more in front would. Its share of the
+  base's storages stands in for the run with that layer more, once the two have agreed at the point on one design
+  (`FastDryRun.shares_hold`; tests/test_fast.py holds them equal for every design on every layout): on six large
+  models, all designs of one in half the time.
 
 kvlab.theory's closed forms stay what predict uses for the families it models; this walks every other decoder.
 A model whose layers read other layers' caches (KV sharing) cannot be cut; it gets the whole model's dry run.
@@ -38,16 +43,19 @@ A model whose layers read other layers' caches (KV sharing) cannot be cut; it ge
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import json
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
+from ..caches import every_tensor
 from ..loops import decoding, generate
-from ..meter import MemoryMeter, MemoryReport, StepMemory, weight_bytes
+from ..meter import LiveStorageCounter, MemoryMeter, MemoryReport, StepMemory, storage_bytes, weight_bytes
 from ..models import layer_kinds
-from .dry_run import BulkPlan, DryRun, SkippingForward, bulk_plan, cache_options, held_tokens
+from .dry_run import BulkPlan, BulkSkippingForward, DryRun, SkippingForward, bulk_plan, cache_options, held_tokens
 from .meta import MetaAsCpu
 from .scans import short_scans
 from .sources import build_model
@@ -70,15 +78,40 @@ class FastDryRun(DryRun):
         self.cut = layer_cut(p["preset"], json.dumps(p["overrides"], sort_keys=True), p["dtype"], p["seed"])
         self.model = self.cut.model
 
+    # Points (a design's but its cache and loop) where the first cut's shares were found equal to the other cuts'
+    # increments: (a LayerCut, the point) -> whether they were. Shared by the process's predictions.
+    shares_hold: dict = {}
+
     def measure(self, design: dict):
-        """`DryRun.measure` from the cut models' runs, each looping only the steps of its `bulk_plan`."""
+        """`DryRun.measure` from the cut models' runs, each looping only the steps of its `bulk_plan`; where the
+        first cut's shares stand in for the other cuts' runs (`Shares`), from its run alone."""
         d = design
         plans = [bulk_plan(model, d["cache"], d["prompt"], d["new"], cache_options(d)) for model in self.cut.models]
         if len(set(plans)) != 1:
             raise RuntimeError("the cut models' dry runs would step differently")
-        runs = [self._run(model, design, plans[0]) for model in self.cut.models]
-        reports = [report for report, _ in runs]
-        return self.cut.extrapolate(reports, self._left_out(design, plans[0])), self.cut.held([h for _, h in runs])
+        left_out, point = self._left_out(design, plans[0]), self._point(design)
+        first, held, shares = self._run(self.cut.models[0], design, plans[0], self.cut.watched)
+        mine = self._from_shares(first, shares, design, left_out)
+        if mine is not None and self.shares_hold.get(point):
+            return mine, self.cut.held([held])
+        reports = [first] + [self._run(model, design, plans[0])[0] for model in self.cut.models[1:]]
+        whole = self.cut.extrapolate(reports, left_out)
+        if mine is not None and point not in self.shares_hold:
+            self.shares_hold[point] = mine.timeline == whole.timeline and mine.peak_bytes == whole.peak_bytes
+        return whole, self.cut.held([held])
+
+    def _from_shares(self, first: MemoryReport, shares: Shares, design: dict, left_out: dict) -> MemoryReport | None:
+        """The answer from the first cut's run and its shares; None where they cannot give it."""
+        if design["strategy"] == "beam" or len(self.cut.models) == 1:  # beam search reorders caches between steps
+            return None
+        extra = self.cut.increments(first, shares)
+        mine = None if extra is None else self.cut.extrapolate([first, *extra], left_out)
+        # The shares split the first cut's peak: where the answer's is another step, the runs answer.
+        return mine if mine is not None and peak_step(mine) == peak_step(first) else None
+
+    def _point(self, design: dict) -> tuple:
+        """The cut and the point of `design` but its cache and loop: where one check of the shares holds."""
+        return self.cut, json.dumps({k: v for k, v in design.items() if k not in ("cache", "loop")}, sort_keys=True)
 
     def _left_out(self, design: dict, plan: BulkPlan) -> dict[int, int]:
         """Bytes the loop's own tensors would hold more at each step looped, had the loop run every step."""
@@ -105,10 +138,124 @@ class FastDryRun(DryRun):
         growth = (starts[1][3 + LOOP_STEPS] - starts[1][3]) // LOOP_STEPS
         return upfront, growth
 
-    def _run(self, model, design: dict, plan: BulkPlan):
-        with short_scans(model):  # a prompt's scan over its chunks in two of them (kvlab.planner.scans)
-            report, cache = self.run(design, model=model, plan=plan)
-        return report, held_tokens(cache)
+    def _run(self, model, design: dict, plan: BulkPlan, watched: dict | None = None):
+        """(report, tokens each layer holds, and with `watched` the `Shares` of those layers) of one cut's run."""
+        shares = Shares(watched or {})
+        hooks = [shares.watch(model.get_decoder().layers[i], i) for i in shares.kinds]
+        try:
+            with short_scans(model):  # a prompt's scan over its chunks in two of them (kvlab.planner.scans)
+                step_forward = _SharedGrowth(plan, shares) if watched else None
+                report, cache = self.run(design, model=model, plan=plan, counter=shares, step_forward=step_forward)
+            shares.end_bytes = {i: storage_bytes([*every_tensor(cache.layers[i])]) for i in shares.kinds}
+        finally:
+            for hook in hooks:
+                hook.remove()
+        return report, held_tokens(cache), shares
+
+
+def peak_step(report: MemoryReport) -> int:
+    """The step of a report's peak (the first that reaches it)."""
+    return max(report.timeline, key=lambda s: s.peak_bytes).step
+
+
+class Shares(LiveStorageCounter):
+    """The meter's live-storage counter, also noting what a few layers of a cut model hold (`kinds`: layer index ->
+    its kind) at each step's peak and end: the storages each made in its forward or its growth (`_SharedGrowth`)
+    and still holds, but the hidden states it returns (the next layer's input, not the layer's). The extrapolation
+    adds, for each layer more of a kind, what one more layer of it holds at each step (`LayerCut`'s other cuts: one
+    more layer of a kind in front); a layer's share, taken after its own forward has ended, is that without another
+    run. What it holds at a step's peak is its cache (and the round trip's previous one where a loop keeps it), which
+    a layer more in front would hold as well, if nothing else a layer holds differs by its place: `FastDryRun` checks
+    that once a point, against the other cuts' runs, and uses the shares only where they gave the same answer. A
+    share taken where its layer's forward had not ended (the peak inside or before it) is None: the runs answer."""
+
+    def __init__(self, kinds: dict[int, tuple]):
+        super().__init__()
+        self.kinds, self.tag = kinds, None
+        self.labels: dict[int, str] = {}  # the meter's names of storages (kvlab.planner.dry_run.dry_run sets it)
+        self.end_bytes: dict[int, int] = {}  # each watched layer's cache bytes as the run ends (`FastDryRun._run`)
+        self.owned: dict[int, dict[int, int]] = {i: {} for i in kinds}  # layer -> {serial: bytes}
+        self.done: set[int] = set()  # the layers whose forward or growth has ended in this step
+        self.at_step_peak = self._now(every=True)
+        self.at_peak: dict[int, dict[int, int] | None] = {}
+        self.steps: list[tuple[dict, dict]] = []  # each closed step's (shares at its peak, at its end)
+
+    def watch(self, layer: nn.Module, index: int):
+        """Hooks that tag what `layer` makes in its forward as layer `index`'s, and end its share's step there."""
+        before = layer.register_forward_pre_hook(lambda *_: setattr(self, "tag", index))
+        after = layer.register_forward_hook(lambda module, args, out: self.ended(index, out))
+        return _Both(before, after)
+
+    def ended(self, index: int, returned=None):
+        """Layer `index` has ended its forward (returning `returned`) or growth in this step."""
+        self.tag = None
+        if index not in self.owned:
+            return
+        for storage in (t.untyped_storage() for t in tree_leaves(returned) if isinstance(t, torch.Tensor)):
+            entry = self.live.get(storage._cdata)
+            if entry is not None:
+                self.owned[index].pop(entry[0], None)
+        self.done.add(index)
+
+    def _now(self, every: bool = False) -> dict:
+        return {i: dict(owned) if every or i in self.done else None for i, owned in self.owned.items()}
+
+    def _add(self, nbytes: int, scratch: int = 0):
+        step_peak, peak = self.step_peak_bytes, self.peak_bytes
+        super()._add(nbytes, scratch)
+        if self.step_peak_bytes > step_peak:
+            self.at_step_peak = self._now()
+        if self.peak_bytes > peak:
+            self.at_peak = self._now()
+
+    def _born(self, serial: int, storage, nbytes: int):
+        super()._born(serial, storage, nbytes)
+        owner = next((i for i, owned in self.owned.items() if serial in owned), self.tag)
+        if owner in self.owned:
+            self.owned[owner][serial] = nbytes
+
+    def _free(self, key: int):
+        entry = self.live.get(key)
+        if entry is not None:
+            for owned in self.owned.values():
+                owned.pop(entry[0], None)
+        super()._free(key)
+
+    def close_step(self):
+        self.steps.append((self.at_step_peak, self._now(every=True)))
+        super().close_step()
+        self.done = set()
+        self.at_step_peak = self._now(every=True)  # a step whose peak is its start: what the last one left
+
+
+class _Both:
+    def __init__(self, *handles):
+        self.handles = handles
+
+    def remove(self):
+        for handle in self.handles:
+            handle.remove()
+
+
+class _SharedGrowth(BulkSkippingForward):
+    """`BulkSkippingForward` growing one layer at a time, each watched layer's growth tagged as its own (`Shares`)."""
+
+    def __init__(self, plan: BulkPlan, shares: Shares):
+        super().__init__(plan)
+        self.shares = shares
+
+    def grow(self, cache, step: int, tokens: int) -> None:
+        for index, layer in enumerate(cache.layers):
+            self.shares.tag = index
+            super().grow(_OneLayer(layer), step, tokens)
+            self.shares.ended(index)
+
+
+class _OneLayer:
+    """A cache of one layer, for the growth functions (they read `layers` alone)."""
+
+    def __init__(self, layer):
+        self.layers = [layer]
 
 
 class _Reading(SkippingForward):
@@ -164,6 +311,35 @@ class LayerCut:
         self.anchor_kinds = [self.kinds[i] for i in anchors]
         self.base = len(base)
         self.weights = weight_bytes(model)
+        # In models[0], the first layer of each kind in `extra` (in front of that kind's others): whose shares
+        # (`Shares`) stand in for models[1:]'s runs.
+        self.watched = {base.index(last[kind]): kind for kind in self.extra}
+
+    def increments(self, first: MemoryReport, shares: Shares) -> list[MemoryReport] | None:
+        """The reports of models[1:] as models[0]'s (`first`) plus, at each step's peak and end and at the peak,
+        what its layer of each kind in `extra` holds (`shares`); None where a share is not known (taken before its
+        layer's forward ended)."""
+        if len(shares.steps) != len(first.timeline) or shares.at_peak is None:
+            return None
+        index = {kind: i for i, kind in self.watched.items()}
+        reports = []
+        for kind in self.extra:
+            i = index[kind]
+            held = [(at_peak[i], at_end[i]) for at_peak, at_end in shares.steps]
+            if any(a is None for pair in held for a in pair) or shares.at_peak.get(i) is None:
+                return None
+            if sum(held[-1][1].values()) != shares.end_bytes[i]:  # the layer holds more than its cache, or less
+                return None
+            timeline = [
+                StepMemory(s.step, s.live_bytes + sum(end.values()), s.peak_bytes + sum(peak.values()))
+                for s, (peak, end) in zip(first.timeline, held)
+            ]
+            at_peak = dict(first.at_peak)
+            for serial, nbytes in shares.at_peak[i].items():
+                part = shares.labels.get(serial, "other")
+                at_peak[part] = at_peak.get(part, 0) + nbytes
+            reports.append(dataclasses.replace(first, timeline=timeline, at_peak=at_peak))
+        return reports
 
     def _linear(self, values: list[int]) -> int:
         """The whole model's value from the cut models' (a + sum of (n_k - 2) b_k: the base holds two of each)."""
