@@ -8,8 +8,9 @@ the first fast call for the design (cold in the process; the config's first desi
 cut), a second one (warm: every meta kernel's answer already known, kvlab.planner.meta.KnownShapes), one at a
 point not asked before (fresh: the batch one more, its shapes new), and the whole model's dry run (`exact=True`,
 the reference: tens of seconds a design on the large models; `--no-exact` leaves it out). The table gives the
-times, both overheads (peak above the weights) and the fast one's error. benchmarks/configs/README.md says where
-each config's values come from.
+times, both overheads (peak above the weights) and the fast one's error. A second table gives, per config, one
+prediction of all its designs: at the point measured (warm) and at one not asked before (fresh: the batch two
+more). benchmarks/configs/README.md says where each config's values come from.
 """
 
 import argparse
@@ -44,9 +45,20 @@ def measure(preset: str, design: tuple[str, str], point: dict, exact: bool) -> d
     return row
 
 
+def every_design(preset: str, point: dict) -> dict:
+    """Seconds of one prediction of every design (`kvlab predict --dry-run` without --cache or --loop) at the point
+    measured (warm) and at one not asked before (fresh)."""
+    times = {}
+    for name, at in (("all_warm_s", point), ("all_fresh_s", dict(point, batch=point["batch"] + 2))):
+        start = time.perf_counter()
+        designs = predict(preset, dry_run=True, **at)["designs"]
+        times[name] = time.perf_counter() - start
+    return dict(config=Path(preset).stem, designs=len(designs), **times)
+
+
 def table(rows: list[dict]) -> str:
-    columns = ["config", "design", "cold_s", "warm_s", "fresh_s", "exact_s", "exact_gib", "fast_gib", "error_pct"]
-    columns = [c for c in columns if any(c in row for row in rows)]
+    columns = ["config", "design", "designs", "cold_s", "warm_s", "fresh_s", "exact_s", "exact_gib", "fast_gib"]
+    columns = [c for c in [*columns, "error_pct", "all_warm_s", "all_fresh_s"] if any(c in row for row in rows)]
     cells = [columns] + [[_cell(row.get(c)) for c in columns] for row in rows]
     widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     return "\n".join(
@@ -90,7 +102,8 @@ def main():
             tqdm.write(str(rows[-1]))  # as each design ends: a long run interrupted keeps what it measured
         except ValueError as why:  # a design the model cannot hold (tuple beside recurrent layers)
             refused.append(f"{Path(preset).stem} {'/'.join(design)}: {why}")
-    print(table(rows), *refused, sep="\n")
+    every = [every_design(preset, point) for preset in tqdm(configs, desc="all designs", unit="config")]
+    print(table(rows), *refused, "", table(every), sep="\n")
 
 
 if __name__ == "__main__":
