@@ -78,8 +78,8 @@ class FastDryRun(DryRun):
         self.cut = layer_cut(p["preset"], json.dumps(p["overrides"], sort_keys=True), p["dtype"], p["seed"])
         self.model = self.cut.model
 
-    # Points (a design's but its cache and loop) where the first cut's shares were found equal to the other cuts'
-    # increments: (a LayerCut, the point) -> whether they were. Shared by the process's predictions.
+    # Points (a model, and a design's point but its cache and loop) where the first cut's shares were checked against
+    # the other cuts' runs -> whether they gave the same answer. Shared by the process's predictions.
     shares_hold: dict = {}
 
     def measure(self, design: dict):
@@ -109,9 +109,10 @@ class FastDryRun(DryRun):
         # The shares split the first cut's peak: where the answer's is another step, the runs answer.
         return mine if mine is not None and peak_step(mine) == peak_step(first) else None
 
-    def _point(self, design: dict) -> tuple:
-        """The cut and the point of `design` but its cache and loop: where one check of the shares holds."""
-        return self.cut, json.dumps({k: v for k, v in design.items() if k not in ("cache", "loop")}, sort_keys=True)
+    def _point(self, design: dict) -> str:
+        """The model and the point of `design` but its cache and loop: where one check of the shares holds."""
+        model = (self.p["preset"], self.p["overrides"], self.p["dtype"], self.p["seed"])
+        return json.dumps([model, {k: v for k, v in design.items() if k not in ("cache", "loop")}], sort_keys=True)
 
     def _left_out(self, design: dict, plan: BulkPlan) -> dict[int, int]:
         """Bytes the loop's own tensors would hold more at each step looped, had the loop run every step."""
