@@ -1,9 +1,9 @@
 """How fast predict's dry run answers, and how close the fast one (kvlab.planner.fast) is to the whole model's.
 
-    python benchmarks/predict.py [--configs deepseek-v3,bamba-9b] [--designs list/v5,dynamic/v5]
+    python benchmarks/predict.py [--configs deepseek-v3,bamba-9b,gpt-oss-20b] [--designs list/v5,dynamic/v5]
         [--batch 1] [--prompt 32000] [--new 512] [--no-exact]
 
-For each config (a name under benchmarks/configs/, or a config.json path) and cache design, in one process:
+For each config (a name under benchmarks/configs/, a config.json path or a preset) and cache design, in one process:
 the first fast call for the design (cold in the process; the config's first design also builds the model and its
 cut), a second one (warm: every meta kernel's answer already known, kvlab.planner.meta.KnownShapes), one at a
 point not asked before (fresh: the batch one more, its shapes new), and the whole model's dry run (`exact=True`,
@@ -20,6 +20,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from kvlab.planner.plan import predict
+from kvlab.presets import PRESETS
 from kvlab.schema import DESIGNS
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -43,6 +44,15 @@ def measure(preset: str, design: tuple[str, str], point: dict, exact: bool) -> d
         row["exact_s"], reference = timed(preset, design, point, exact=True)
         row |= dict(exact_gib=reference / GIB, error_pct=100 * (fast - reference) / reference)
     return row
+
+
+def config_path(name: str) -> str:
+    """A config named on the command line: a config.json path, a name under benchmarks/configs, or a preset."""
+    if name.endswith(".json") or name in PRESETS:
+        return name
+    if not (CONFIGS / f"{name}.json").is_file():
+        raise SystemExit(f"no config {name!r}: give a config.json path, one of benchmarks/configs or a preset")
+    return str(CONFIGS / f"{name}.json")
 
 
 def every_design(preset: str, point: dict) -> dict:
@@ -82,7 +92,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     names = sorted(path.stem for path in CONFIGS.glob("*.json"))
     parser.add_argument(
-        "--configs", default=",".join(names), help="names under benchmarks/configs or config.json paths"
+        "--configs", default=",".join(names), help="names under benchmarks/configs, config.json paths or presets"
     )
     parser.add_argument("--designs", default=",".join(f"{c}/{loop}" for c, loop in DESIGNS), help="cache/loop,...")
     parser.add_argument("--batch", type=int, default=1)
@@ -93,7 +103,7 @@ def main():
     args = parser.parse_args()
     point = dict(batch=args.batch, prompt=args.prompt, new=args.new, dtype=args.dtype)
     designs = [tuple(design.split("/")) for design in args.designs.split(",")]
-    configs = [name if name.endswith(".json") else str(CONFIGS / f"{name}.json") for name in args.configs.split(",")]
+    configs = [config_path(name) for name in args.configs.split(",")]
     print(f"batch {args.batch}, prompt {args.prompt}, {args.new} new, {args.dtype}; seconds per design, overhead GiB")
     rows, refused = [], []
     for preset, design in tqdm([(c, d) for c in configs for d in designs], desc="predict", unit="design"):
