@@ -140,14 +140,16 @@ class FastDryRun(DryRun):
         return upfront, growth
 
     def _run(self, model, design: dict, plan: BulkPlan, watched: dict | None = None):
-        """(report, tokens each layer holds, and with `watched` the `Shares` of those layers) of one cut's run."""
-        shares = Shares(watched or {})
-        hooks = [shares.watch(model.get_decoder().layers[i], i) for i in shares.kinds]
+        """(report, tokens each layer holds, and with `watched` the `Shares` of those layers, else None) of one cut's
+        run."""
+        shares = Shares(watched) if watched else None
+        hooks = [shares.watch(model.get_decoder().layers[i], i) for i in watched or ()]
         try:
             with short_scans(model):  # a prompt's scan over its chunks in two of them (kvlab.planner.scans)
-                step_forward = _SharedGrowth(plan, shares) if watched else None
+                step_forward = _SharedGrowth(plan, shares) if shares is not None else None
                 report, cache = self.run(design, model=model, plan=plan, counter=shares, step_forward=step_forward)
-            shares.end_bytes = {i: storage_bytes([*every_tensor(cache.layers[i])]) for i in shares.kinds}
+            if shares is not None:
+                shares.end_bytes = {i: storage_bytes([*every_tensor(cache.layers[i])]) for i in watched}
         finally:
             for hook in hooks:
                 hook.remove()
