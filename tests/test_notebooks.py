@@ -344,6 +344,39 @@ def test_stream_modes_with_identical_lines_are_drawn_once_when_asked():
     assert merged.get_legend_handles_labels()[1] == ["hf-static = dynamic", "reused", "reused-max"]
 
 
+def test_the_budget_figure_states_which_designs_fit():
+    """Lesson 06's title is its message: the designs that fit the memory and those that do not, with their peaks."""
+    from kvlab.notebook.figures.will_it_fit import fit_message
+
+    gib = 2**30
+    rows = [
+        dict(cache="tuple", loop="v4.40", peak_bytes=42.7 * gib, fits=False),
+        dict(cache="dynamic", loop="v4.42", peak_bytes=42.7 * gib, fits=False),
+        dict(cache="dynamic", loop="v5", peak_bytes=22.6 * gib, fits=True),
+    ]
+    assert fit_message({"designs": rows, "memory_bytes": 40 * gib}) == (
+        "In 40 GiB: dynamic / v5 (22.6 GiB) fits; tuple / v4.40 (42.7 GiB), dynamic / v4.42 (42.7 GiB) do not"
+    )
+    assert fit_message({"designs": rows[2:], "memory_bytes": 24 * gib}) == "In 24 GiB: dynamic / v5 (22.6 GiB) fits"
+    unplanned = [{k: v for k, v in row.items() if k != "fits"} for row in rows]
+    assert fit_message({"designs": unplanned, "memory_bytes": None}) == (
+        "Predicted peaks from dynamic / v5 (22.6 GiB) to tuple / v4.40 (42.7 GiB)"
+    )
+
+
+def test_the_waste_figure_names_the_point_that_wastes_most_apart():
+    """Lesson 05's title is its message: the most any point wastes beside the cache, but the worst, named apart."""
+    import pandas as pd
+
+    from kvlab.notebook.figures.todays_generate import _waste_message
+
+    waste = pd.Series({"7b-greedy": 0.016, "7b-static": 0.11, "long-greedy": 4.48})
+    assert _waste_message(waste) == (
+        "At the peak, waste beside the cache is at most 0.11 × the final KV, except in long-greedy (4.48 ×)"
+    )
+    assert _waste_message(waste[:1]) == "At its peak, 7b-greedy holds 0.02 × the final KV beside the cache"
+
+
 def test_lessons_01_to_03_climb_through_the_lessons_floor_only():
     """What a reader of lessons 01-03 climbs through (their kvlab imports, with what those import in turn, imports
     inside functions included: scripts/lesson_closure.py) holds no module of the planner or the machinery."""

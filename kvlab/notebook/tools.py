@@ -29,7 +29,7 @@ MACHINE_PATHS = re.compile(
 WARNING = re.compile(r"\w*Warning\b|^warning:", re.IGNORECASE | re.MULTILINE)
 # A lesson (01-06, not an appendix) is read in one sitting: its prose is at most this many words, and the six
 # together at most LESSONS_WORDS; longer material goes to an appendix (notebooks/README.md).
-LESSON_WORDS, LESSONS_WORDS = 1500, 5600
+LESSON_WORDS, LESSONS_WORDS = 1500, 5300
 TABLE_ROWS = 12  # the most rows a lesson's table shows
 FENCE = re.compile(r"```.*?```", re.DOTALL)
 HTML_ROW = re.compile(r"<tr\b")

@@ -34,6 +34,27 @@ def fit_figure(prediction: dict, title: str = ""):
     return fig
 
 
+def fit_message(prediction: dict) -> str:
+    """The figure's one message, from the prediction: which designs fit its memory (their peaks, GiB) and which
+    do not, e.g. "In 40 GiB: dynamic / v5 (22.6 GiB), static / v5 (24.6 GiB) fit; tuple / v4.40 (42.7 GiB) does
+    not". Without a memory: the lowest and highest peak."""
+    gib = 2**30
+
+    def named(rows):
+        return ", ".join(f"{row['cache']} / {row['loop']} ({row['peak_bytes'] / gib:.1f} GiB)" for row in rows)
+
+    rows = prediction["designs"]
+    if not prediction["memory_bytes"]:
+        low, high = (min(rows, key=lambda r: r["peak_bytes"]), max(rows, key=lambda r: r["peak_bytes"]))
+        return f"Predicted peaks from {named([low])} to {named([high])}"
+    fitting, failing = [r for r in rows if r["fits"]], [r for r in rows if not r["fits"]]
+    verdict = [
+        *([f"{named(fitting)} {'fits' if len(fitting) == 1 else 'fit'}"] if fitting else []),
+        *([f"{named(failing)} {'does' if len(failing) == 1 else 'do'} not"] if failing else []),
+    ]
+    return f"In {prediction['memory_bytes'] / gib:g} GiB: " + "; ".join(verdict)
+
+
 def plan_widget(
     preset: str, batch: int = 8, prompt: int = 4096, new: int = 512, dtype: str = "bfloat16", memory: str = "80GiB"
 ):
@@ -46,7 +67,8 @@ def plan_widget(
 
     def draw(batch, prompt, new, memory):
         result = predict(preset, batch=batch, prompt=prompt, new=new, dtype=dtype, memory=memory)
-        fit_figure(result, title=f"{preset}, {dtype}: batch {batch}, prompt {prompt}, {new} new, budget {memory}")
+        shape = f"{preset}, {dtype}: batch {batch}, prompt {prompt}, {new} new tokens; predicted peaks"
+        fit_figure(result, title=f"{fit_message(result)}\n{shape}")
         plt.show()
 
     def slider(value: int, top: int):
