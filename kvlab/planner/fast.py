@@ -44,7 +44,8 @@ import json
 import torch
 from torch import nn
 
-from ..loops import decoding, generate
+from ..decoding import decoding
+from ..loops import generate
 from ..meter import MemoryMeter, MemoryReport, StepMemory, weight_bytes
 from ..models import layer_kinds
 from .dry_run import BulkPlan, DryRun, SkippingForward, bulk_plan, cache_options, held_tokens
