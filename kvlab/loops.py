@@ -1,4 +1,5 @@
-"""One decoding loop for greedy, seeded sampling and beam search, as three transformers releases ran it.
+"""One decoding loop, as three transformers releases ran it: greedy here; seeded sampling and beam search are
+strategies of kvlab.decoding, which the loop runs through `Greedy`'s three methods.
 
 A loop is what `generate()` kept alive between and inside steps; a cache design (kvlab.caches) is
 where the keys and values live. Any loop runs with any design; the releases are:
@@ -24,59 +25,14 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import (
-    AttentionInterface,
-    LogitsProcessorList,
-    TemperatureLogitsWarper,
-    TopKLogitsWarper,
-    TopPLogitsWarper,
-)
+from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import repeat_kv, sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .caches import CACHES, cache_length, cache_tensors, forward, make_cache
 from .compat import cache_from_outputs, generate_drops_ones_mask
-from .schema import LOOPS, STRATEGIES, Release, check_choice
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """strategy="sample": transformers' logits warpers (1, 0 and 1 leave them out) and the generator's seed."""
-
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def warpers(self) -> LogitsProcessorList:
-        return LogitsProcessorList(
-            ([TemperatureLogitsWarper(self.temperature)] if self.temperature != 1.0 else [])
-            + ([TopKLogitsWarper(self.top_k)] if self.top_k > 0 else [])
-            + ([TopPLogitsWarper(self.top_p)] if self.top_p < 1.0 else [])
-        )
-
-
-@dataclass(frozen=True)
-class Beams:
-    """strategy="beam": `num_beams` continuations kept per row of the prompt."""
-
-    num_beams: int = 4
-
-
-def decoding(strategy: str, num_beams: int = 4, sampling: Sampling = Sampling()):
-    """What `generate(strategy=...)` takes for a point's strategy name and beam count."""
-    check_choice("strategy", strategy, STRATEGIES)
-    return {"greedy": "greedy", "sample": sampling, "beam": Beams(num_beams)}[strategy]
-
-
-def _strategy(strategy) -> tuple[str, int, Sampling]:
-    """(name, beams, sampling) of `generate`'s strategy argument."""
-    if isinstance(strategy, Sampling):
-        return "sample", 1, strategy
-    if isinstance(strategy, Beams):
-        return "beam", strategy.num_beams, Sampling()
-    check_choice("strategy", strategy, STRATEGIES)
-    return strategy, Beams().num_beams, Sampling()
+from .schema import LOOPS, Release, check_choice
+from .schema import STRATEGIES as STRATEGIES  # lessons 04 and A6 import it from here
 
 
 @dataclass
@@ -165,8 +121,8 @@ def generate(
     cache: the design of the cache the loop starts (`kvlab.caches.CACHES`), or a cache to continue from (the
         `cache` of an earlier Generation, or any transformers `Cache`).
     loop: the release whose `generate()` loop this is (`LOOPS`: v4.40, v4.42, v5).
-    strategy: "greedy", "sample" (seeded, `Sampling()`) or "beam" (`Beams()`: 4 beams), or a `Sampling` or
-        `Beams` of your own (`decoding` makes one from a strategy's name).
+    strategy: "greedy", or a strategy of kvlab.decoding (`Sampling`, `Beams`; `decoding` makes one from a
+        strategy's name).
     meter: a `kvlab.meter.MemoryMeter` already entered, or None: it is told where each step ends and which
         tensors are cache and logits, so it can draw the timeline and split the peak.
     cache_options: keywords for `make_cache` (chunk_limit, block_tokens, max_cache_len) when the loop starts a cache.
@@ -175,17 +131,16 @@ def generate(
         cache, **inputs)`, returning what it returns: (outputs, the cache to continue from). The planner's dry run
         (kvlab.planner.dry_run) uses it to grow the cache without a forward at the steps that cannot hold the peak.
     """
-    strategy, num_beams, sampling = _strategy(strategy)
+    strategy = GREEDY if strategy == "greedy" else strategy
     past = None if isinstance(cache, str) else cache
     cache = "dynamic" if past is not None else cache
     _check(cache, loop, strategy, new_tokens)
     if prefill_chunk is not None and (loop != "v5" or prefill_chunk < 1):
         raise ValueError("prefill_chunk: a positive number of tokens, under the v5 loop (prefill_chunk_size is 5.x's)")
-    release, device, tokens = LOOPS[loop], input_ids.device, input_ids
-    if strategy == "beam" and past is None:
-        tokens = tokens.repeat_interleave(num_beams, dim=0)  # as generate() does, before the prompt
-    kv = _start_cache(model, release, cache, tokens, new_tokens, strategy, past, cache_options)
-    choose = _choice(strategy, release, tokens, new_tokens, num_beams, sampling)
+    release, device = LOOPS[loop], input_ids.device
+    tokens = strategy.rows(input_ids, past)
+    kv = _start_cache(model, release, cache, tokens, new_tokens, past, cache_options)
+    choose = strategy.choice(release, tokens, new_tokens)
     outputs = None
     # The loop counts the tokens fed so far: a cache of recurrent layers only has no length to ask.
     cached = 0 if past is None else cache_length(past)
@@ -229,10 +184,7 @@ def generate(
             # `next_logits` stays alive into the next step as a local of generate()'s loop does: it is rebound
             # only after the next forward has returned (and so do the choice's own, see `_Greedy`).
             tokens = choose(tokens, next_logits)
-            if strategy == "beam":
-                # One tensor at a time; tuple / v4.40: `outputs` still holds the un-reordered tuple, so its
-                # reordered copy is built while the whole old one lives.
-                kv.reorder_cache(choose.beam_idx)
+            strategy.reorder(kv, choose)
             del mask, step_positions
             cached = tokens.shape[1]
             tokens = torch.cat([tokens, choose.next_tokens[:, None]], dim=-1)
@@ -288,21 +240,18 @@ def _prefill_chunks(model, kv, tokens, cached: int, chunk: int | None, forward_o
     return kv, outputs, starts[-1] if starts else cached
 
 
-def _check(cache: str, loop: str, strategy: str, new_tokens: int) -> None:
+def _check(cache: str, loop: str, strategy, new_tokens: int) -> None:
     check_choice("cache", cache, CACHES)
     check_choice("loop", loop, LOOPS)
-    check_choice("strategy", strategy, STRATEGIES)
+    if isinstance(strategy, str):
+        raise ValueError(f"strategy {strategy!r}: kvlab.decoding.decoding({strategy!r}) makes its object")
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be positive, got {new_tokens}")
 
 
-def _start_cache(
-    model, release: Release, cache: str, tokens, new_tokens: int, strategy: str, past, cache_options: dict | None
-):
-    """The cache the loop decodes into: `past` if given (checked against the tokens), else a new one of `cache`."""
+def _start_cache(model, release: Release, cache: str, tokens, new_tokens: int, past, cache_options: dict | None):
+    """The cache the loop decodes into: `past` if given, else a new one of `cache`."""
     if past is not None:
-        if strategy == "beam" and tokens.shape[0] != cache_batch(past):
-            raise ValueError("a beam-search restart needs the tokens of the first call (batch * beams rows)")
         return past
     if cache == "dynamic" and release.major == 4:
         # 4.40.1's SDPA and eager attention masked a sliding window but grew the cache in full (only its
@@ -312,16 +261,28 @@ def _start_cache(
     return make_cache(cache, model, **{"max_cache_len": tokens.shape[1] + new_tokens - 1, **(cache_options or {})})
 
 
-def _choice(strategy: str, release: Release, tokens, new_tokens: int, num_beams: int, sampling: Sampling):
-    """The callable that picks each step's next tokens under `strategy`."""
-    if strategy == "greedy":
-        return _Greedy()
-    if strategy == "sample":
-        return _Sample(sampling, tokens.device)
-    return _BeamSearch(release, tokens, new_tokens, num_beams)
+class Greedy:
+    """generate()'s strategy: the rows it decodes (`rows`), the callable that picks each step's next tokens
+    (`choice`) and what the cache does after the choice (`reorder`). kvlab.decoding's strategies are its
+    subclasses."""
+
+    name = "greedy"
+
+    def rows(self, input_ids, past):
+        """The token rows the loop decodes, from the prompt (or a restart's tokens and its cache `past`)."""
+        return input_ids
+
+    def choice(self, release: Release, tokens, new_tokens: int):
+        return Choose()
+
+    def reorder(self, kv, choose) -> None:
+        pass
 
 
-class _Greedy:
+GREEDY = Greedy()
+
+
+class Choose:
     """`choose(tokens, next_logits)` → the tokens (reordered in beam search); the next tokens are `.next_tokens`.
 
     A choice keeps what it computes as attributes, rebound at the next step's choice, because generate()'s loop
@@ -331,54 +292,6 @@ class _Greedy:
     def __call__(self, tokens, next_logits):
         self.next_tokens = next_logits.argmax(dim=-1)
         return tokens
-
-
-class _Sample(_Greedy):
-    """Seeded sampling from the warped probabilities (kept, as generate()'s `probs`)."""
-
-    def __init__(self, sampling: Sampling, device):
-        self.warpers = sampling.warpers()
-        self.generator = torch.Generator(device=device if device.type != "meta" else "cpu").manual_seed(sampling.seed)
-
-    def __call__(self, tokens, next_logits):
-        self.probs = self.warpers(tokens, next_logits).softmax(dim=-1)
-        self.next_tokens = torch.multinomial(self.probs, 1, generator=self.generator).squeeze(1)
-        return tokens
-
-
-class _BeamSearch(_Greedy):
-    """Beam search: each row keeps its `num_beams` best continuations by summed log-probability; `.beam_idx` is the
-    row each continuation came from, for the cache's reorder. Kept between steps as generate() kept them: the
-    scores over the vocabulary, the top scores and ids, the source beams."""
-
-    def __init__(self, release: Release, tokens, new_tokens: int, num_beams: int):
-        device, self.num_beams = tokens.device, num_beams
-        self.batch = tokens.shape[0] // num_beams
-        # Only the first beam of each row is live at the start, so the beams do not all pick the same token.
-        beam_scores = torch.zeros(self.batch, num_beams, device=device)
-        beam_scores[:, 1:] = -1e9
-        self.beam_scores = beam_scores.view(-1)
-        if release.major == 5:
-            # v5: beam search preallocates its running and finished sequences and their beam indices at full
-            # length. Held only to occupy their bytes for the whole loop: kvlab never reads them.
-            length = tokens.shape[1] + new_tokens
-            self.buffers = [torch.zeros(self.batch, num_beams, length, dtype=torch.long, device=device) for _ in "ab"]
-            self.buffers += [
-                torch.zeros(self.batch, num_beams, new_tokens, dtype=torch.int32, device=device) for _ in "ab"
-            ]
-
-    def __call__(self, tokens, next_logits):
-        batch, num_beams, vocab = self.batch, self.num_beams, next_logits.shape[-1]
-        # As generate() binds them (5.x `log_probs`, 4.x `next_token_scores`): the log-probabilities first, so the
-        # previous step's scores die before the sum with the beam scores is made (held beside them, one vocabulary
-        # of fp32 per row too many: +13.6 % in bf16 with a 50,000-token vocabulary).
-        self.scores = next_logits.log_softmax(dim=-1)
-        self.scores = self.scores + self.beam_scores[:, None]
-        self.top_scores, self.top_ids = self.scores.view(batch, -1).topk(num_beams, dim=1)
-        self.beam_scores = self.top_scores.view(-1)
-        self.source_beam = self.top_ids // vocab + torch.arange(batch, device=tokens.device)[:, None] * num_beams
-        self.beam_idx, self.next_tokens = self.source_beam.view(-1), (self.top_ids % vocab).view(-1)
-        return tokens.index_select(0, self.beam_idx)
 
 
 def _end_step(meter, kv, outputs) -> None:

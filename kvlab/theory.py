@@ -1,16 +1,18 @@
 """The analytic peak: bytes above the weights for one point, term by term.
 
 Nothing here is fitted to a measurement. Each decoding step is walked through its phases (the rotary
-embedding, cache update and attention of the last layer, the MLP, the lm_head, a beam reorder) and the
+embedding, cache update and attention of the last layer, the MLP, the lm_head, the next-token logits) and the
 bytes alive in each phase are counted from shapes: the cache each design holds, the copies its update
 makes, the logits the loop keeps, and the activations of one layer. The peak is the largest phase over all
 steps.
 
 How it reads: `peak_phases` walks a `Run` (what the point fixes) step by step; `CacheWalk` gives each forward's
 `Step` (what the cache holds around it); each phase is a function of the two (`_rotary_phase` ...
-`_beam_reorder_phase`), and what lives through the whole step is added to each (`_held_through_the_step`,
-`_previous_locals`). `breakdown` is the peak's terms for printing. The walk counts tensors on the CPU and meta;
-kvlab.planner.theory extends it to a CUDA GPU and to transformers' exported program.
+`_next_token_phase`), and what lives through the whole step is added to each (`held_through_the_step`,
+`_previous_locals`). `breakdown` is the peak's terms for printing. This is the lesson's walk: greedy decoding in
+one generate() call, on the CPU and meta. kvlab.planner.theory extends it through the `Run`'s rules (its phases,
+what lives through a step, the mask, 5.x's sliding layers, the GPU's SDPA kernel) to beams, sampling, restarts,
+5.x's sliding layers, GPT-OSS, a CUDA GPU and transformers' exported program.
 
 Units: t = bytes of one layer's keys (or values) for one token = rows x kv_heads x head_dim x dtype;
 one token of the whole cache is 2 x layers x t.
@@ -37,8 +39,8 @@ INT64 = 8
 FP32 = 4
 # Decoders whose attention transformers runs only in eager PyTorch (GPT-OSS: its attention sinks have no SDPA path):
 # scores, masks and repeat_kv copies are real tensors at every step.
-# Decoders whose layers this module walks through (attention with grouped KV heads, gated MLP; GPT-OSS's eager
-# attention with sinks and its grouped_mm experts); for any other model_type it has no prediction.
+# Decoders whose layers the walk goes through (attention with grouped KV heads, gated MLP; GPT-OSS's eager
+# attention with sinks and its grouped_mm experts: kvlab.planner.theory); for any other model_type no prediction.
 MODELED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss")
 EAGER_ATTENTION = ("gpt_oss",)
 
@@ -66,33 +68,6 @@ class Shape:
 
     def kv(self, length: int) -> int:
         return self.token * length
-
-
-class Layers:
-    """Token lengths of each layer's key (= value) storage under 5.x's dynamic layers. A sliding layer
-    (`DynamicSlidingWindowLayer`) cats the new tokens onto the last window - 1 it kept and keeps a view of that
-    result: its storage is min(cached, W - 1) + fed, so after a prefill of P > W tokens the whole P-token
-    buffer stays alive until the first decode step; a beam reorder copies the view (W - 1, contiguous)."""
-
-    def __init__(self, sliding: list):
-        self.sliding = sliding
-        self.storage = [0] * len(sliding)  # tokens of each layer's storage now
-        self.kept = [0] * len(sliding)  # tokens each layer's view (what the next cat copies) holds
-
-    def update(self, fed: int) -> None:
-        for i, window in enumerate(self.sliding):
-            self.storage[i] = self.kept[i] + fed
-            self.kept[i] = window_tokens(window, self.storage[i])
-
-    def reorder(self, t: int) -> int:
-        """The peak of a beam reorder, one tensor at a time (keys then values, layer by layer), in bytes."""
-        total, peak = 2 * t * sum(self.storage), 0
-        for i in range(len(self.storage)):
-            for _ in "kv":
-                peak = max(peak, total + t * self.kept[i])
-                total += t * (self.kept[i] - self.storage[i])
-            self.storage[i] = self.kept[i]
-        return peak
 
 
 class Buffers:
@@ -152,8 +127,17 @@ class Run:
     ):
         self.s, self.release, self.windows, self.device = s, release, windows, device
         self.threads = threads  # a CPU's torch threads (flash's scratch)
-        # What SDPA allocates inside on a GPU, (run, step, masked, grouped) -> terms: kvlab.planner.theory's
-        self.gpu_kernel = None
+        # The walk's rules, which kvlab.planner.theory extends: a step's phases (run, walk, step) -> {phase: terms},
+        # what lives through the step (run, step), the previous step's locals (run, step, phase), the mask a forward
+        # builds (run, fed, seen, full_seen), 5.x's sliding layers (a class like its Layers; none here) and what
+        # SDPA allocates inside on a GPU (run, step, masked, grouped).
+        self.phases, self.held, self.previous, self.mask = (
+            _phases,
+            held_through_the_step,
+            _previous_locals,
+            attention_mask,
+        )
+        self.sliding_layers = self.gpu_kernel = None
         self.cache, self.strategy, self.runtime, self.restart_from = cache, strategy, runtime, restart_from
         self.prompt, self.new, self.restart_new = prompt, new, restart_new
         self.chunk_limit, self.block_tokens = chunk_limit, block_tokens
@@ -198,15 +182,16 @@ class Step:
 
 
 class CacheWalk:
-    """The design's storage, forward by forward: 5.x's dynamic layers on a sliding config (`Layers`), prealloc's
-    buffers (`Buffers`), the list's chunk count; the other designs follow from the cache length."""
+    """The design's storage, forward by forward: 5.x's dynamic layers on a sliding config (`Run.sliding_layers`,
+    kvlab.planner.theory's), prealloc's buffers (`Buffers`), the list's chunk count; the other designs follow from
+    the cache length."""
 
     def __init__(self, run: Run):
         self.run = run
         # 5.x's dynamic cache on a sliding or hybrid config: each layer's storage walked step by step.
         release, layers = run.release, run.s.layers
         self.sliding = list(run.windows) if run.cache == "dynamic" and release.major == 5 else [None] * layers
-        self.layers = Layers(self.sliding) if any(self.sliding) else None
+        self.layers = run.sliding_layers(self.sliding) if any(self.sliding) else None
         self.buffers = Buffers(run.windows, run.block_tokens) if run.cache == "prealloc" else None
         self.chunks = 0
         self.held = self.fed = 0  # bytes held and tokens fed as of the last step
@@ -261,16 +246,12 @@ class CacheWalk:
             transient=transient,
             chunks=self.chunks,
             consolidated=consolidated,
-            mask=_mask(r, fed, seen, full_seen),
+            mask=r.mask(r, fed, seen, full_seen),
             keys=seen if r.last_window else full_seen,
             last_growth=last_growth,
         )
         self.held, self.fed = held_after, fed
         return step
-
-    def reorder_peak(self) -> int:
-        """5.x's sliding layers: the peak of a beam reorder, in bytes (it leaves each layer at its kept view)."""
-        return self.layers.reorder(self.run.s.t)
 
     def held_tokens(self) -> list:
         """Tokens each layer's storage holds at the end (5.x sliding layers plateau at the window, the rest grow)."""
@@ -296,18 +277,9 @@ def _steps(prompt, new, restart_new):
     return steps
 
 
-def _mask(r: Run, fed: int, seen: int, full_seen: int) -> dict:
+def attention_mask(r: Run, fed: int, seen: int, full_seen: int) -> dict:
     """The attention mask a forward builds, alive until the decoder stack returns (before the lm_head). SDPA gets
-    one only past a sliding window (else its is_causal shortcut needs none): a bool per (query, key). Eager
-    attention gets one per layer type at every step, in the model's dtype."""
-    s = r.s
-    if s.eager:
-        return {
-            "attention masks (model dtype)": s.rows
-            * fed
-            * s.e
-            * (full_seen * r.has_full + seen * (r.window is not None))
-        }
+    one only past a sliding window (else its is_causal shortcut needs none): a bool per (query, key)."""
     return {"sliding-window attention mask (bool)": r.mask_rows * fed * seen} if r.window and seen >= r.window else {}
 
 
@@ -335,11 +307,8 @@ def _around_the_layer(step: Step) -> dict:
 def _rotary_phase(r: Run, step: Step) -> dict | None:
     """The last layer's rotary embedding, before its cache update: `q * cos + rotate_half(q) * sin` holds, beside q,
     its product with cos, its rotated copy and that copy's product with sin; then the same for k, beside q's result.
-    It peaks where the query is wide (heads x head_dim above the hidden size). GPT-OSS rotates halves instead (not
-    walked: its eager attention peaks later)."""
+    It peaks where the query is wide (heads x head_dim above the hidden size)."""
     s, fed = r.s, step.fed
-    if s.eager:
-        return None
     q, k = (s.rows * fed * heads * s.head_dim * s.e for heads in (s.heads, s.kv_heads))
     return {
         "cache before the last layer's update": step.held_after - 2 * s.t * step.last_growth,
@@ -356,9 +325,8 @@ def _update_phase(r: Run, step: Step) -> dict:
     """The last layer's cache update: the copies the design makes as it writes the new tokens (they die before
     attention starts), beside the layer's activations (its new keys and values among them)."""
     terms = {**_around_the_layer(step), "activations of one layer": _layer_activations(r.s, step.fed), **step.mask}
-    restarted_from_tuples = step.call == 1 and step.first_of_call and r.restart_from == "tuples"
-    if r.cache == "dynamic" and step.before > 0 and not restarted_from_tuples:
-        terms["old values tensor during its cat"] = r.s.t * step.old_last  # (else the caller's tuple holds it)
+    if r.cache == "dynamic" and step.before > 0:
+        terms["old values tensor during its cat"] = r.s.t * step.old_last
     if step.consolidated:
         terms["consolidation: old chunks during the cat"] = r.s.t * step.after
     if step.transient:
@@ -366,34 +334,32 @@ def _update_phase(r: Run, step: Step) -> dict:
     return terms
 
 
-def _attention_phase(r: Run, step: Step) -> dict:
-    """The last layer's attention. The layer's new keys and values are dead once the cache returns its own
-    tensors, except where prealloc's window buffer is too short for the feed (attention reads them as they came).
-
-    SDPA: its output beside its inputs, which are repeat_kv copies of the layer's keys and values where
-    transformers does not use SDPA's grouped-query path: always in <= 4.42; in 5.x when the layer gets a mask and
-    more than one query (a prompt past the window). Eager attention (GPT-OSS) peaks as it shifts the scores for
-    the softmax: the masked scores, the scores with one sink column, their shifted copy and the row maxima,
-    beside repeat_kv copies of the keys and values."""
+def attention_inputs(r: Run, step: Step) -> dict:
+    """What the last layer's attention sits on. The layer's new keys and values are dead once the cache returns its
+    own tensors, except where prealloc's window buffer is too short for the feed (attention reads them as they
+    came)."""
     s, fed = r.s, step.fed
     read_as_fed = r.cache == "prealloc" and r.last_window and fed > r.last_window - 1 + r.block_tokens
     new_kv = 0 if read_as_fed else 2 * s.t * fed
     terms = {**_around_the_layer(step), "activations of one layer": _layer_activations(s, fed) - new_kv, **step.mask}
     if r.cache == "list" and step.chunks > 1:
         terms["keys and values concatenated for attention"] = 2 * s.t * step.after
-    if not s.eager:
-        masked = bool(step.mask and fed > 1 and r.last_window)  # SDPA gets the mask (more than one query, sliding)
-        copies = r.groups > 1 and (r.release.major == 4 or masked)
-        terms["repeat_kv copies of one layer (SDPA without its grouped-query path)"] = (
-            2 * r.groups * s.t * step.keys if copies else 0
-        )
-        terms["attention output"] = s.rows * fed * s.heads * s.head_dim * s.e
-        terms.update(_inside_sdpa(r, step, masked, grouped=r.groups > 1 and not copies))
-    else:
-        terms["eager attention: scores, with the sinks, shifted, and their maxima"] = _one_keys_scores(s, fed) * (
-            3 * step.keys + 3
-        )
-        terms["repeat_kv copies of one layer"] = 2 * r.groups * s.t * step.keys if r.groups > 1 else 0
+    return terms
+
+
+def _attention_phase(r: Run, step: Step) -> dict:
+    """The last layer's attention: SDPA's output beside its inputs, which are repeat_kv copies of the layer's keys
+    and values where transformers does not use SDPA's grouped-query path: always in <= 4.42; in 5.x when the layer
+    gets a mask and more than one query (a prompt past the window)."""
+    s, fed = r.s, step.fed
+    terms = attention_inputs(r, step)
+    masked = bool(step.mask and fed > 1 and r.last_window)  # SDPA gets the mask (more than one query, sliding)
+    copies = r.groups > 1 and (r.release.major == 4 or masked)
+    terms["repeat_kv copies of one layer (SDPA without its grouped-query path)"] = (
+        2 * r.groups * s.t * step.keys if copies else 0
+    )
+    terms["attention output"] = s.rows * fed * s.heads * s.head_dim * s.e
+    terms.update(_inside_sdpa(r, step, masked, grouped=r.groups > 1 and not copies))
     return terms
 
 
@@ -402,7 +368,7 @@ def _output_projection_phase(r: Run, step: Step) -> dict | None:
     values as locals until it returned: alive beside the attention output and the projection's output, as
     everything attention held but what SDPA frees as it returns (5.x makes and drops the copies inside its
     attention function, before the projection)."""
-    if r.release.major != 4 or r.s.eager or r.groups == 1:
+    if r.release.major != 4 or r.groups == 1:
         return None
     inside_sdpa = _inside_sdpa(r, step, masked=False, grouped=False)
     terms = {name: value for name, value in _attention_phase(r, step).items() if name not in inside_sdpa}
@@ -432,17 +398,12 @@ def _cpu_flash_attention(r: Run, step: Step, masked: bool) -> dict:
     }
 
 
-def _one_keys_scores(s: Shape, fed: int) -> int:
-    """Bytes of the attention scores against one key: a score per (row, head, query)."""
-    return s.rows * s.heads * fed * s.e
-
-
 def _mask_phase(r: Run, step: Step) -> dict | None:
     """Before the first layer (SDPA past a sliding window): masking_utils.sdpa_mask builds the mask from the window
     and causal conditions (one bool of fed x keys each, then their intersection), then intersects it with the
     padding mask, one row per sequence. On a long prompt this is the forward's peak, with nothing but the
     embeddings beside it (and the cache from before the forward)."""
-    if not step.mask or r.s.eager:
+    if not step.mask:
         return None
     s, fed, seen = r.s, step.fed, step.seen
     return {
@@ -456,36 +417,15 @@ def _mask_phase(r: Run, step: Step) -> dict | None:
 
 def _mlp_phase(r: Run, step: Step) -> dict:
     """The MLP of the last layer (it matters for the prompt only): gate, up and their product beside the hidden
-    states. GPT-OSS's experts (grouped_mm) instead work on each token's top-k (token, expert) pairs, sorted by
-    expert, and its eager attention leaves the layer's attention probabilities alive."""
+    states."""
     s, fed = r.s, step.fed
-    terms = {
+    return {
         **_around_the_layer(step),
         "gate, up and their product": 3 * s.rows * fed * s.intermediate * s.e,
         "embeddings, residual stream and normed input": _hidden_states(s, fed) + s.rows * fed * s.hidden * s.e,
         "rotary cos and sin": _rotary(s, fed),
         **step.mask,
     }
-    if s.experts:
-        pairs = s.rows * fed * s.top_k
-        terms.update(
-            {
-                "gate, up and their product": 0,
-                "experts: gate_up and its biases (2 x 2I); gate, up, glu, up + 1 and their product (5 x I)": 9
-                * pairs
-                * s.intermediate
-                * s.e,
-                "experts: the hidden states gathered per pair": pairs * s.hidden * s.e,
-                "router logits and scores; pair order, expert ids and weights": s.rows
-                * fed
-                * (s.experts * s.e + s.top_k * (s.e + INT64))
-                + pairs * (s.e + FP32 + 2 * INT64),
-                "attention probabilities the layer keeps (eager)": (
-                    _one_keys_scores(s, fed) * (step.keys + 1) if s.eager else 0
-                ),
-            }
-        )
-    return terms
 
 
 def _kept_positions(r: Run, step: Step) -> int:
@@ -521,98 +461,45 @@ def _next_token_phase(r: Run, step: Step) -> dict | None:
     }
 
 
-def _beam_scoring_phase(r: Run, step: Step) -> dict | None:
-    """Beam search scores the fp32 next-token logits: log_softmax, plus the beam scores (two more vocabulary-wide
-    tensors); the previous step's scores died as the log-probabilities rebound their name."""
-    if r.strategy != "beam" or r.keeps_outputs:
-        return None
-    vocab_fp32 = r.s.rows * r.s.vocab * FP32
-    return {
-        "cache after the update": step.held_after,
-        "next-token logits (fp32)": vocab_fp32,
-        "log_softmax and beam scores (fp32)": 2 * vocab_fp32,
-    }
-
-
-def _beam_reorder_phase(r: Run, walk: CacheWalk, step: Step) -> dict | None:
-    """The beam reorder after the forward, beside the logits and the beam scores. The tuple under v4.40 copies the
-    whole cache while `outputs` holds the un-reordered one; the other designs copy one tensor at a time, the old
-    one freed before the next is copied: the largest tensor is the transient."""
-    if r.strategy != "beam":
-        return None
-    s, after = r.s, step.after
-    if r.tuple_cache and r.keeps_outputs:
-        terms = {"un-reordered tuple (held by outputs)": s.kv(after), "reordered tuple": s.kv(after)}
-    elif walk.layers is not None:
-        terms = {"cache": step.held_after, "one reordered tensor": walk.reorder_peak() - step.held_after}
-    else:
-        largest = {"static": max(r.static_windows or [r.static_len]), "list": after - (step.chunks - 1)}.get(
-            r.cache, after
-        )  # list: its largest chunk
-        largest = max(walk.buffers.storage) if walk.buffers else largest  # prealloc: its largest buffer
-        terms = {"cache": step.held_after, "one reordered tensor": s.t * largest}
-    if r.keeps_outputs:
-        terms["logits kept (v4.40)"] = s.rows * step.fed * s.vocab * FP32
-    else:
-        terms["next-token logits (fp32)"] = s.rows * s.vocab * FP32
-    terms["beam scores (fp32)"] = s.rows * s.vocab * FP32
-    return terms
+# The step's phases in the order they happen: the last layer's rotary embedding, its update, its attention and
+# (<= 4.42) output projection, the mask built before the first layer, the MLP, the lm_head, then the loop's own work
+# after the forward. Each is a function of the run and the step; None where the step has no such phase.
+PHASES = {
+    "rotary": _rotary_phase,
+    "update": _update_phase,
+    "attention": _attention_phase,
+    "output projection": _output_projection_phase,
+    "mask": _mask_phase,
+    "mlp": _mlp_phase,
+    "lm_head": _lm_head_phase,
+    "next-token logits": _next_token_phase,
+}
 
 
 def _phases(r: Run, walk: CacheWalk, step: Step) -> dict:
-    """The step's phases in the order they happen, each its terms: the last layer's rotary embedding, its update,
-    its attention and (<= 4.42) output projection, the mask built before the first layer, the MLP, the lm_head,
-    then the loop's own work after the forward."""
-    phases = {
-        "rotary": _rotary_phase(r, step),
-        "update": _update_phase(r, step),
-        "attention": _attention_phase(r, step),
-        "output projection": _output_projection_phase(r, step),
-        "mask": _mask_phase(r, step),
-        "mlp": _mlp_phase(r, step),
-        "lm_head": _lm_head_phase(r, step),
-        "next-token logits": _next_token_phase(r, step),
-        "beam scoring": _beam_scoring_phase(r, step),
-        "beam reorder": _beam_reorder_phase(r, walk, step),
-    }  # last: it moves a sliding layer to its view
+    """The step's phases (`PHASES`) that happen, each its terms."""
+    phases = {name: phase(r, step) for name, phase in PHASES.items()}
     return {name: terms for name, terms in phases.items() if terms is not None}
 
 
-def _held_through_the_step(r: Run, step: Step) -> dict:
+def held_through_the_step(r: Run, step: Step) -> dict:
     """What lives through every phase of the step: the loop's token ids, mask and positions (the prompt's ids exist
     before the first forward: only its mask and positions are new; 5.18+ generate(), and kvlab's v5 loop with it,
-    passes no mask of ones), v4.40's previous outputs (the fp32 logits of every fed position), 5.x's beam buffers,
-    and the tuples a caller still holds."""
+    passes no mask of ones) and v4.40's previous outputs (the fp32 logits of every fed position)."""
     s = r.s
     int64s = 2 + r.passes_mask - (step.index == 0)
-    terms = {
+    return {
         "tokens, attention mask and position ids (int64)": int64s * s.rows * step.after * INT64,
         "previous step's logits (v4.40)": (s.rows * step.previous_fed * s.vocab * FP32 if r.keeps_outputs else 0),
     }
-    if r.strategy == "beam" and r.release.major == 5:
-        length, count = (r.prompt + r.new, r.new) if step.call == 0 else (r.max_len, r.restart_new)
-        terms["5.x beam bookkeeping (sequences, beam indices)"] = 2 * s.rows * (length * INT64 + count * 4)
-    if step.call == 1 and (r.restart_from == "tuples" or (r.tuple_cache and not step.first_of_call)):
-        terms["tuple the caller still holds (restart)"] = s.kv(r.held_after_first)
-    if r.tuple_cache and r.keeps_outputs and r.strategy == "beam" and step.before > 0:
-        terms["un-reordered tuple held by outputs (beam, v4.40)"] = s.kv(step.before)
-    return terms
 
 
 def _previous_locals(r: Run, step: Step, phase: str) -> dict:
-    """The loop's locals from the previous step, alive until rebound: through the forward, the next-token logits
-    (v4.40's are a view into the kept outputs) and the probabilities or beam scores. Beam scoring has already
-    rebound the logits and the scores, and the reorder comes after the scores too."""
-    if step.first_of_call or phase == "beam reorder":
+    """The loop's locals from the previous step, alive through the forward until rebound: the next-token logits
+    (v4.40's are a view into the kept outputs)."""
+    if step.first_of_call or r.keeps_outputs:
         return {}
-    s, terms = r.s, {}
-    if not r.keeps_outputs and phase != "beam scoring":
-        terms["previous step's next-token logits (fp32)"] = s.rows * s.vocab * FP32
-    if r.strategy == "sample" or (r.strategy == "beam" and phase != "beam scoring"):
-        terms[f"previous step's {'beam scores' if r.strategy == 'beam' else 'probabilities'} (fp32)"] = (
-            s.rows * s.vocab * FP32
-        )
-    return terms
+    return {"previous step's next-token logits (fp32)": r.s.rows * r.s.vocab * FP32}
 
 
 def peak_phases(config, threads: int | None = None, **point):
@@ -622,27 +509,32 @@ def peak_phases(config, threads: int | None = None, **point):
     `runtime` (kvlab.graphs): jit-trace is the tuple design under v5's loop (the caller holds the old
     tuple while the graph builds the new one); convert is the dynamic design plus the old tuple the
     caller holds while the copied cache object grows (export's program: kvlab.planner.theory).
-    `restart_from="tuples"`: the second call's cache object starts from the first call's tensors, which the
-    caller's tuples keep alive for the whole call.
     `device`: where the point runs, the CPU or meta (a CUDA GPU: kvlab.planner.theory); on CPU the attention phase
     holds what SDPA's flash kernel allocates inside (a block per thread: `threads`, by default this process's torch
     threads).
     `point`: the keys of kvlab.schema.POINT_KEYS, each defaulting to kvlab.schema.DEFAULTS' (device: cpu).
     """
-    p = lesson_point(point)
-    r = run_of(config, p, threads)
+    p, r = lesson_run(config, point, threads)
     walk = CacheWalk(r)
     kv_final = final_kv_bytes(config, r.s.rows, r.max_len, p["dtype"])
     return (*largest_phase(walk_phases(r, walk)), kv_final, walk.held_tokens())
 
 
-def lesson_point(point: dict) -> dict:
-    """`design_point`, refusing what this walk leaves to kvlab.planner.theory: a CUDA GPU and an exported program."""
+def lesson_run(config, point: dict, threads: int | None) -> tuple[dict, Run]:
+    """The point (`design_point`) and its `Run`, refusing what this walk leaves to kvlab.planner.theory."""
     p = design_point(point)
-    if str(p["device"]).startswith("cuda") or p["runtime"] == "export":
-        what = "a CUDA GPU" if str(p["device"]).startswith("cuda") else "the exported program (runtime export)"
-        raise ValueError(f"kvlab.theory walks the CPU and meta; for {what}: kvlab.planner.theory")
-    return p
+    r = run_of(config, p, threads)
+    beyond = {
+        "a CUDA GPU": r.device == "cuda",
+        "the exported program (runtime export)": p["runtime"] == "export",
+        f"{r.strategy} decoding": r.strategy != "greedy",
+        "a restart (restart_new)": r.restart_new > 0,
+        "5.x's sliding layers (cache dynamic)": r.cache == "dynamic" and r.release.major == 5 and any(r.windows),
+        f"{config.model_type}'s eager attention and experts": r.s.eager or r.s.experts,
+    }
+    if what := next((what for what, applies in beyond.items() if applies), None):
+        raise ValueError(f"kvlab.theory walks the lesson's points (greedy, CPU, meta); {what}: kvlab.planner.theory")
+    return p, r
 
 
 def largest_phase(phases) -> tuple:
@@ -678,22 +570,9 @@ def run_of(config, p: dict, threads: int | None) -> Run:
 def walk_phases(r: Run, walk: CacheWalk):
     """(step, phase, its terms with what lives through the step) for every phase of every step, in order."""
     for step in walk.steps():
-        held = _held_through_the_step(r, step)
-        for name, terms in _phases(r, walk, step).items():
-            yield step, name, {**held, **_previous_locals(r, step, name), **terms}
-
-
-def phase_terms(config, step: int, phase: str, threads: int | None = None, **point) -> dict:
-    """The terms of one phase of one step (`peak_phases` keeps the largest), e.g. a long prompt's attention."""
-    r = run_of(config, lesson_point(point), threads)
-    return terms_at(walk_phases(r, CacheWalk(r)), step, phase)
-
-
-def terms_at(phases, step: int, phase: str) -> dict:
-    for at, name, terms in phases:
-        if at.index == step and name == phase:
-            return terms
-    raise ValueError(f"step {step} has no phase {phase!r} at this point")
+        held = r.held(r, step)
+        for name, terms in r.phases(r, walk, step).items():
+            yield step, name, {**held, **r.previous(r, step, name), **terms}
 
 
 def design_point(point: dict) -> dict:

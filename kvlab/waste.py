@@ -287,7 +287,8 @@ def _text(values: dict) -> str:
 def fix_prealloc(model, ids, point) -> int:
     """kvlab's `prealloc` under its 5.x loop: written in place (on sliding layers kvlab.caches.WindowLayer: the last
     window - 1 tokens in a buffer of window - 1 + 32 slots, nothing of the prompt's length kept)."""
-    from .loops import Beams, generate
+    from .decoding import Beams
+    from .loops import generate
 
     return metered(
         lambda: generate(

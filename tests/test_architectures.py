@@ -9,8 +9,9 @@ from transformers import AutoConfig
 
 from kvlab.caches import ATTENTION, CACHES
 from kvlab.compat import cache_from_outputs
+from kvlab.decoding import decoding
 from kvlab.lab.point import run_point
-from kvlab.loops import LOOPS, decoding, generate
+from kvlab.loops import LOOPS, generate
 from kvlab.models import assert_varied, final_kv_bytes, layer_kinds, random_prompt
 from kvlab.planner.plan import predict
 from kvlab.planner.sources import build_model, load_config

@@ -15,7 +15,8 @@ from transformers.cache_utils import DynamicCache
 
 from kvlab.caches import CACHES, cache_length
 from kvlab.compat import cache_argument, cache_from_outputs
-from kvlab.loops import LOOPS, decoding, generate
+from kvlab.decoding import decoding
+from kvlab.loops import LOOPS, generate
 
 OLD = "past_key_values"
 

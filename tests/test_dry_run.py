@@ -12,8 +12,9 @@ from test_architectures import RUN, SIZES
 from transformers import AutoConfig
 
 from kvlab.caches import CatLayer, KVCache, ListLayer, PreallocLayer, SlidingCatLayer, WindowLayer
+from kvlab.decoding import decoding
 from kvlab.lab.point import run_point
-from kvlab.loops import decoding, generate
+from kvlab.loops import generate
 from kvlab.meter import MemoryMeter
 from kvlab.models import random_prompt
 from kvlab.planner.dry_run import advance, advance_bulk, peak_steps

@@ -9,8 +9,9 @@ import pytest
 import torch
 from transformers import MistralConfig, MistralForCausalLM
 
+from kvlab.decoding import Beams
 from kvlab.explain import UNREFERENCED, explain, explain_generate, explain_point
-from kvlab.loops import Beams, generate
+from kvlab.loops import generate
 from kvlab.meter import MemoryMeter
 from kvlab.models import build_model
 from kvlab.releases import ReferenceInstallError, install_reference

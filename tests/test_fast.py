@@ -15,7 +15,8 @@ from test_dry_run import DESIGNS, runnable
 from transformers import AutoConfig
 
 from kvlab.caches import forward
-from kvlab.loops import decoding, generate
+from kvlab.decoding import decoding
+from kvlab.loops import generate
 from kvlab.meter import MemoryMeter
 from kvlab.models import random_prompt
 from kvlab.planner.dry_run import ForwardRule, bulk_plan, cache_options

@@ -9,11 +9,11 @@ import sys
 import pytest
 import torch
 
-from kvlab import theory
 from kvlab.configs import config_class
 from kvlab.counts import head_dim, kv_bytes_per_token, sliding_windows
 from kvlab.meter import weight_bytes
 from kvlab.models import instantiate, parse_dtype
+from kvlab.planner import theory
 from kvlab.planner.plain import FAMILIES, PlainConfig, plain_config
 from kvlab.planner.sources import load_config
 from kvlab.presets import DECODERS

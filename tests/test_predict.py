@@ -9,10 +9,10 @@ import kvlab.configs
 import kvlab.lab.point
 import kvlab.models
 import kvlab.planner.plan
-from kvlab import theory
 from kvlab.cli import main
 from kvlab.configs import build_config
 from kvlab.lab.point import measure
+from kvlab.planner import theory
 from kvlab.planner.params import normalize
 from kvlab.planner.plan import GIB, TooBig, largest_batch, parse_bytes
 from kvlab.planner.sources import load_config

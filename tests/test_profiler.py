@@ -12,12 +12,12 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from kvlab import theory
 from kvlab.caches import CACHES
 from kvlab.explain import explain, generate_call
 from kvlab.loops import LOOPS, generate
 from kvlab.meter import LiveStorageCounter, MemoryMeter
 from kvlab.models import random_prompt
+from kvlab.planner import theory
 from kvlab.planner.sources import build_model
 from kvlab.profiler import ProfiledAllocations, profiler_peak
 

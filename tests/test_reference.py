@@ -12,10 +12,11 @@ import transformers
 
 from kvlab import releases, theory
 from kvlab.configs import build_config
+from kvlab.decoding import decoding
 from kvlab.lab import reference
 from kvlab.lab.point import run_point
 from kvlab.lab.reference import weights_digest
-from kvlab.loops import decoding, generate
+from kvlab.loops import generate
 from kvlab.models import assert_varied, build_model
 from kvlab.planner.params import normalize
 from kvlab.releases import INSTALLED, ReferenceInstallError, install_reference, measure_references

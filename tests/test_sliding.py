@@ -12,12 +12,13 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from kvlab import theory
 from kvlab.caches import cache_bytes, make_cache, sliding_windows
 from kvlab.configs import build_config
+from kvlab.decoding import decoding
 from kvlab.lab.point import run_point
-from kvlab.loops import decoding, generate
+from kvlab.loops import generate
 from kvlab.models import assert_varied, kv_bytes_per_token
+from kvlab.planner import theory
 from kvlab.planner.sources import build_model, load_config
 from kvlab.releases import INSTALLED, measure_references
 

@@ -10,8 +10,9 @@ import torch
 
 from kvlab import text
 from kvlab.configs import build_config
+from kvlab.decoding import decoding
 from kvlab.lab.point import run_point
-from kvlab.loops import decoding, generate
+from kvlab.loops import generate
 from kvlab.models import assert_varied, build_model
 from kvlab.releases import measure_references
 from kvlab.schema import DESIGNS

@@ -280,7 +280,7 @@ def test_theory_predicts_every_stored_waste_point_and_its_prealloc_fix():
         fixed = rows[(rows["kind"] == "fix") & (rows["term"] == "prealloc")]
         peaks.update({"prealloc": fixed["bytes"].item()} if len(fixed) else {})
         for cache, peak in peaks.items():
-            predicted = theory.predict_overhead(config, **dict(point, cache=cache))
+            predicted = planned.predict_overhead(config, **dict(point, cache=cache))
             assert (peak - weights) / predicted - 1 == pytest.approx(0, abs=TODAY_TOLERANCE), (name, cache)
 
 
@@ -289,7 +289,7 @@ def test_theory_walks_each_layer_as_the_stored_cache_growth():
     for (preset, overrides), rows in table.groupby(["preset", "overrides"]):
         config = build_config(preset, overrides.split())
         token = kv_bytes_per_token(config, 1, "bfloat16") // config.num_hidden_layers  # one layer's, keys and values
-        layers, prompt = theory.Layers(sliding_windows(config)), rows["tokens"].min()
+        layers, prompt = planned.Layers(sliding_windows(config)), rows["tokens"].min()
         stored = dict(zip(rows["forward"], rows["cache_storage_bytes"]))
         for forward in range(max(stored) + 1):
             layers.update(prompt if forward == 0 else 1)
@@ -338,3 +338,16 @@ def test_every_stored_record_divides_by_the_final_kv_of_models():
             assert row["kv_final_bytes"] == expected, (path.parent.name, row["preset"], row["kv_final_bytes"])
             checked.add(path.parent.name)
     assert {"cpu", "meta", "twins", "reference"} <= checked  # the tables that store a final KV were read
+
+
+def test_the_lessons_walk_is_the_planners_on_its_points_and_refuses_the_rest(toy):
+    """kvlab.theory walks lessons 01-03's points (greedy, one call, CPU or meta) as kvlab.planner.theory does, whose
+    extensions add nothing there; a point beyond them is refused with the module that walks it."""
+    point = dict(batch=2, prompt=40, new=6, dtype="float32")
+    for cache, loop in schema.DESIGNS:
+        for device in ("cpu", "meta"):
+            design = dict(point, cache=cache, loop=loop, device=device)
+            assert theory.breakdown(toy.config, **design) == planned.breakdown(toy.config, **design), design
+    for beyond in (dict(strategy="beam"), dict(strategy="sample"), dict(restart_new=4), dict(device="cuda")):
+        with pytest.raises(ValueError, match="kvlab.planner.theory"):
+            theory.breakdown(toy.config, **point, **beyond)

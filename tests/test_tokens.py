@@ -5,7 +5,8 @@ import torch
 
 from kvlab.caches import CACHES, make_cache
 from kvlab.compat import cache_argument
-from kvlab.loops import LOOPS, Beams, Sampling, generate
+from kvlab.decoding import Beams, Sampling
+from kvlab.loops import LOOPS, generate
 from kvlab.models import assert_varied, build_model
 
 

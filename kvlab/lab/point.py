@@ -12,7 +12,8 @@ import gc
 import torch
 
 from ..caches import KVCache, num_layers
-from ..loops import Sampling, decoding, generate
+from ..decoding import Sampling, decoding
+from ..loops import generate
 from ..meter import MemoryMeter
 from ..models import final_kv_bytes, random_prompt
 from ..planner import theory

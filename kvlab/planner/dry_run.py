@@ -15,7 +15,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .. import theory
 from ..caches import KVCache, ListLayer, PreallocLayer, TupleCache, WindowLayer, forward, make_cache
-from ..loops import decoding, generate
+from ..decoding import decoding
+from ..loops import generate
 from ..meter import MemoryMeter
 from ..models import final_kv_bytes
 from ..schema import DEFAULTS, beams, over_kv

@@ -52,7 +52,8 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from ..caches import every_tensor
-from ..loops import decoding, generate
+from ..decoding import decoding
+from ..loops import generate
 from ..meter import LiveStorageCounter, MemoryMeter, MemoryReport, StepMemory, storage_bytes, weight_bytes
 from ..models import layer_kinds
 from .dry_run import BulkPlan, BulkSkippingForward, DryRun, SkippingForward, bulk_plan, cache_options, held_tokens

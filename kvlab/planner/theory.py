@@ -1,8 +1,9 @@
-"""The analytic peak for the device planned for: kvlab.theory's walk, extended to a CUDA GPU and to transformers'
-exported program. The walk (kvlab.theory) counts tensors on the CPU and meta; on CUDA the kernel SDPA picks adds
-what it allocates inside (kvlab.cuda_memory.sdpa_terms), every term becomes a block of the caching allocator, and
-cuBLAS's workspace joins once the first matrix product has run. The exported static-cache program (kvlab.graphs,
-runtime export) has phases of its own (`_exported_peak`).
+"""The analytic peak for any point planned for: kvlab.theory's walk (the lesson's: greedy, one call, CPU and meta)
+extended through its `Run`'s rules (`extend`) to beam search and sampling, restarts, 5.x's sliding layers (`Layers`)
+and GPT-OSS's eager attention and experts, and to a CUDA GPU and transformers' exported program. On CUDA the
+kernel SDPA picks adds what it allocates inside (kvlab.cuda_memory.sdpa_terms), every term becomes a block of the
+caching allocator, and cuBLAS's workspace joins once the first matrix product has run. The exported static-cache
+program (kvlab.graphs, runtime export) has phases of its own (`_exported_peak`).
 
 The same signatures as kvlab.theory's, with the GPU's architecture (`arch`, kvlab.cuda_memory.ARCHES) beside the
 CPU's threads: `peak_phases`, `phase_terms`, `predict_overhead`, `breakdown`.
@@ -12,20 +13,23 @@ from __future__ import annotations
 
 from functools import partial
 
-from ..counts import final_kv_bytes
+from ..counts import final_kv_bytes, window_tokens
 from ..cuda_memory import block, cublas_workspace, reserved_estimate, sdpa_backend, sdpa_terms
 from ..theory import (
     FP32,
     INT64,
+    PHASES,
     CacheWalk,
     Run,
     Shape,
     Step,
+    attention_inputs,
+    attention_mask,
     design_point,
     explained,
+    held_through_the_step,
     largest_phase,
     run_of,
-    terms_at,
     walk_phases,
 )
 
@@ -45,7 +49,7 @@ def peak_phases(config, threads: int | None = None, arch: str = "hopper", **poin
             terms = _on_cuda(terms, arch, matrix_products_ran=True)
         kv_final = final_kv_bytes(config, s.rows, p["prompt"] + p["new"], p["dtype"])
         return sum(terms.values()), where, terms, kv_final, held
-    r = run_of(config, p, threads)
+    r = extend(run_of(config, p, threads))
     walk = CacheWalk(r)
     kv_final = final_kv_bytes(config, r.s.rows, r.max_len, p["dtype"])
     return (*largest_phase(_device_phases(r, walk, arch)), kv_final, walk.held_tokens())
@@ -53,8 +57,15 @@ def peak_phases(config, threads: int | None = None, arch: str = "hopper", **poin
 
 def phase_terms(config, step: int, phase: str, threads: int | None = None, arch: str = "hopper", **point) -> dict:
     """The terms of one phase of one step (`peak_phases` keeps the largest), e.g. a long prompt's attention."""
-    r = run_of(config, design_point(point), threads)
+    r = extend(run_of(config, design_point(point), threads))
     return terms_at(_device_phases(r, CacheWalk(r), arch), step, phase)
+
+
+def terms_at(phases, step: int, phase: str) -> dict:
+    for at, name, terms in phases:
+        if at.index == step and name == phase:
+            return terms
+    raise ValueError(f"step {step} has no phase {phase!r} at this point")
 
 
 def predict_overhead(config, threads: int | None = None, arch: str = "hopper", **point) -> int:
@@ -133,3 +144,184 @@ def _exported_peak(s: Shape, prompt: int, new: int):
             if total > best[0]:
                 best = (total, f"step {index} ({name})", terms)
     return best[0], best[1], best[2], [last] * s.layers
+
+
+def extend(r: Run) -> Run:
+    """`r` walked with the planner's rules: kvlab.theory's, and beams, sampling, restarts, 5.x's sliding layers and
+    GPT-OSS's eager attention and experts."""
+    r.phases, r.held, r.previous = _phases, _held_through_the_step, _previous_locals
+    r.mask, r.sliding_layers = _mask, Layers
+    return r
+
+
+class Layers:
+    """Token lengths of each layer's key (= value) storage under 5.x's dynamic layers. A sliding layer
+    (`DynamicSlidingWindowLayer`) cats the new tokens onto the last window - 1 it kept and keeps a view of that
+    result: its storage is min(cached, W - 1) + fed, so after a prefill of P > W tokens the whole P-token
+    buffer stays alive until the first decode step; a beam reorder copies the view (W - 1, contiguous)."""
+
+    def __init__(self, sliding: list):
+        self.sliding = sliding
+        self.storage = [0] * len(sliding)  # tokens of each layer's storage now
+        self.kept = [0] * len(sliding)  # tokens each layer's view (what the next cat copies) holds
+
+    def update(self, fed: int) -> None:
+        for i, window in enumerate(self.sliding):
+            self.storage[i] = self.kept[i] + fed
+            self.kept[i] = window_tokens(window, self.storage[i])
+
+    def reorder(self, t: int) -> int:
+        """The peak of a beam reorder, one tensor at a time (keys then values, layer by layer), in bytes."""
+        total, peak = 2 * t * sum(self.storage), 0
+        for i in range(len(self.storage)):
+            for _ in "kv":
+                peak = max(peak, total + t * self.kept[i])
+                total += t * (self.kept[i] - self.storage[i])
+            self.storage[i] = self.kept[i]
+        return peak
+
+
+def _mask(r: Run, fed: int, seen: int, full_seen: int) -> dict:
+    """kvlab.theory's mask; eager attention (GPT-OSS) gets one per layer type at every step, in the model's dtype."""
+    s = r.s
+    if not s.eager:
+        return attention_mask(r, fed, seen, full_seen)
+    return {
+        "attention masks (model dtype)": s.rows * fed * s.e * (full_seen * r.has_full + seen * (r.window is not None))
+    }
+
+
+def _update_phase(r: Run, step: Step) -> dict:
+    """kvlab.theory's update; a restart from tuples: the second call's first cat reads the caller's tuple, which
+    holds the old values (not the cache's own)."""
+    terms = PHASES["update"](r, step)
+    if step.call == 1 and step.first_of_call and r.restart_from == "tuples":
+        terms.pop("old values tensor during its cat", None)
+    return terms
+
+
+def _eager_attention_phase(r: Run, step: Step) -> dict:
+    """Eager attention (GPT-OSS) peaks as it shifts the scores for the softmax: the masked scores, the scores with
+    one sink column, their shifted copy and the row maxima, beside repeat_kv copies of the keys and values."""
+    s, terms = r.s, attention_inputs(r, step)
+    terms["eager attention: scores, with the sinks, shifted, and their maxima"] = _one_keys_scores(s, step.fed) * (
+        3 * step.keys + 3
+    )
+    terms["repeat_kv copies of one layer"] = 2 * r.groups * s.t * step.keys if r.groups > 1 else 0
+    return terms
+
+
+def _one_keys_scores(s: Shape, fed: int) -> int:
+    """Bytes of the attention scores against one key: a score per (row, head, query)."""
+    return s.rows * s.heads * fed * s.e
+
+
+def _mlp_phase(r: Run, step: Step) -> dict:
+    """kvlab.theory's MLP; GPT-OSS's experts (grouped_mm) instead work on each token's top-k (token, expert) pairs,
+    sorted by expert, and its eager attention leaves the layer's attention probabilities alive."""
+    s, fed, terms = r.s, step.fed, PHASES["mlp"](r, step)
+    if s.experts:
+        pairs = s.rows * fed * s.top_k
+        terms.update(
+            {
+                "gate, up and their product": 0,
+                "experts: gate_up and its biases (2 x 2I); gate, up, glu, up + 1 and their product (5 x I)": 9
+                * pairs
+                * s.intermediate
+                * s.e,
+                "experts: the hidden states gathered per pair": pairs * s.hidden * s.e,
+                "router logits and scores; pair order, expert ids and weights": s.rows
+                * fed
+                * (s.experts * s.e + s.top_k * (s.e + INT64))
+                + pairs * (s.e + FP32 + 2 * INT64),
+                "attention probabilities the layer keeps (eager)": (
+                    _one_keys_scores(s, fed) * (step.keys + 1) if s.eager else 0
+                ),
+            }
+        )
+    return terms
+
+
+def _beam_scoring_phase(r: Run, step: Step) -> dict | None:
+    """Beam search scores the fp32 next-token logits: log_softmax, plus the beam scores (two more vocabulary-wide
+    tensors); the previous step's scores died as the log-probabilities rebound their name."""
+    if r.strategy != "beam" or r.keeps_outputs:
+        return None
+    vocab_fp32 = r.s.rows * r.s.vocab * FP32
+    return {
+        "cache after the update": step.held_after,
+        "next-token logits (fp32)": vocab_fp32,
+        "log_softmax and beam scores (fp32)": 2 * vocab_fp32,
+    }
+
+
+def _beam_reorder_phase(r: Run, walk: CacheWalk, step: Step) -> dict | None:
+    """The beam reorder after the forward, beside the logits and the beam scores. The tuple under v4.40 copies the
+    whole cache while `outputs` holds the un-reordered one; the other designs copy one tensor at a time, the old
+    one freed before the next is copied: the largest tensor is the transient."""
+    if r.strategy != "beam":
+        return None
+    s, after = r.s, step.after
+    if r.tuple_cache and r.keeps_outputs:
+        terms = {"un-reordered tuple (held by outputs)": s.kv(after), "reordered tuple": s.kv(after)}
+    elif walk.layers is not None:
+        terms = {"cache": step.held_after, "one reordered tensor": walk.layers.reorder(s.t) - step.held_after}
+    else:
+        largest = {"static": max(r.static_windows or [r.static_len]), "list": after - (step.chunks - 1)}.get(
+            r.cache, after
+        )  # list: its largest chunk
+        largest = max(walk.buffers.storage) if walk.buffers else largest  # prealloc: its largest buffer
+        terms = {"cache": step.held_after, "one reordered tensor": s.t * largest}
+    if r.keeps_outputs:
+        terms["logits kept (v4.40)"] = s.rows * step.fed * s.vocab * FP32
+    else:
+        terms["next-token logits (fp32)"] = s.rows * s.vocab * FP32
+    terms["beam scores (fp32)"] = s.rows * s.vocab * FP32
+    return terms
+
+
+# kvlab.theory's phases with the planner's update and MLP and beam scoring (beam reorder comes last: `_phases`);
+# eager attention (GPT-OSS) has no rotary phase of its own walked (it rotates halves; its attention peaks later),
+# no output projection or mask phase of SDPA's.
+PLANNER_PHASES = {**PHASES, "update": _update_phase, "mlp": _mlp_phase, "beam scoring": _beam_scoring_phase}
+EAGER_PHASES = {
+    **PLANNER_PHASES,
+    **dict.fromkeys(("rotary", "output projection", "mask"), lambda r, step: None),
+    "attention": _eager_attention_phase,
+}
+
+
+def _phases(r: Run, walk: CacheWalk, step: Step) -> dict:
+    """The step's phases that happen, each its terms."""
+    phases = {name: phase(r, step) for name, phase in (EAGER_PHASES if r.s.eager else PLANNER_PHASES).items()}
+    phases["beam reorder"] = _beam_reorder_phase(r, walk, step)  # last: it moves a sliding layer to its view
+    return {name: terms for name, terms in phases.items() if terms is not None}
+
+
+def _held_through_the_step(r: Run, step: Step) -> dict:
+    """kvlab.theory's, and 5.x's beam buffers and the tuples a caller still holds."""
+    s, terms = r.s, held_through_the_step(r, step)
+    if r.strategy == "beam" and r.release.major == 5:
+        length, count = (r.prompt + r.new, r.new) if step.call == 0 else (r.max_len, r.restart_new)
+        terms["5.x beam bookkeeping (sequences, beam indices)"] = 2 * s.rows * (length * INT64 + count * 4)
+    if step.call == 1 and (r.restart_from == "tuples" or (r.tuple_cache and not step.first_of_call)):
+        terms["tuple the caller still holds (restart)"] = s.kv(r.held_after_first)
+    if r.tuple_cache and r.keeps_outputs and r.strategy == "beam" and step.before > 0:
+        terms["un-reordered tuple held by outputs (beam, v4.40)"] = s.kv(step.before)
+    return terms
+
+
+def _previous_locals(r: Run, step: Step, phase: str) -> dict:
+    """The loop's locals from the previous step, alive until rebound: through the forward, the next-token logits
+    (v4.40's are a view into the kept outputs) and the probabilities or beam scores. Beam scoring has already
+    rebound the logits and the scores, and the reorder comes after the scores too."""
+    if step.first_of_call or phase == "beam reorder":
+        return {}
+    s, terms = r.s, {}
+    if not r.keeps_outputs and phase != "beam scoring":
+        terms["previous step's next-token logits (fp32)"] = s.rows * s.vocab * FP32
+    if r.strategy == "sample" or (r.strategy == "beam" and phase != "beam scoring"):
+        terms[f"previous step's {'beam scores' if r.strategy == 'beam' else 'probabilities'} (fp32)"] = (
+            s.rows * s.vocab * FP32
+        )
+    return terms
