@@ -364,19 +364,6 @@ def test_the_budget_figure_states_which_designs_fit():
     )
 
 
-def test_the_waste_figure_names_the_point_that_wastes_most_apart():
-    """Lesson 05's title is its message: the most any point wastes beside the cache, but the worst, named apart."""
-    import pandas as pd
-
-    from kvlab.notebook.figures.todays_generate import _waste_message
-
-    waste = pd.Series({"7b-greedy": 0.016, "7b-static": 0.11, "long-greedy": 4.48})
-    assert _waste_message(waste) == (
-        "At the peak, waste beside the cache is at most 0.11 × the final KV, except in long-greedy (4.48 ×)"
-    )
-    assert _waste_message(waste[:1]) == "At its peak, 7b-greedy holds 0.02 × the final KV beside the cache"
-
-
 def test_lessons_01_to_03_climb_through_the_lessons_floor_only():
     """What a reader of lessons 01-03 climbs through (their kvlab imports, with what those import in turn, imports
     inside functions included: scripts/lesson_closure.py) holds no module of the planner or the machinery."""

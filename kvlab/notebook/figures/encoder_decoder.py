@@ -1,10 +1,14 @@
-"""Appendix A10's figures and check, also used by appendix A7: one line per stream mode, and what kvlab refuses."""
+"""Appendix A10's figures and check, also used by appendix A7: one line per stream mode, the reused cache's trade-off,
+and what kvlab refuses."""
 
 from __future__ import annotations
 
 import inspect
 
+import matplotlib.pyplot as plt
 import pandas as pd
+
+from ..helpers import MIB
 
 # Appendix A10's stream modes (kvlab.encdec.serve.MODES): one colour, marker and dash each, in every figure.
 MODE_STYLES = {
@@ -53,6 +57,51 @@ def mode_lines(ax, df: pd.DataFrame, x: str, y: str, legend: bool = True, merge_
     if legend:
         ax.legend(title="mode", loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=9)
     return ax
+
+
+def _mib(values: pd.Series) -> str:
+    """A span of MiB as a title says it: one value where they differ by under 5 %, else the lowest to the highest."""
+    low, high = values.min() / MIB, values.max() / MIB
+    return f"{high:.3g}" if high - low < 0.05 * high else f"{low:.3g}–{high:.3g}"
+
+
+def reuse_figure(results: pd.DataFrame, setup: str, merge_held: bool = False):
+    """One message, the reused cache's trade-off: `reused` holds more than `hf-static` at every request's peak
+    (left) but allocates its cache storage once (right, cumulative). `results`: kvlab.encdec.serve rows of every
+    mode (request, mode, request_shape, footprint_bytes, new_cache_bytes). Lines that coincide on the right are
+    drawn once (on the left too with `merge_held`), the panel says which; one legend; `setup` under the title."""
+    missing = {"reused", "hf-static"} - set(results["mode"])
+    if missing:
+        raise ValueError(f"reuse_figure compares reused with hf-static; the results lack {sorted(missing)}")
+    ordered = results.sort_values(["mode", "request"]).assign(
+        footprint_mib=lambda d: d["footprint_bytes"] / MIB,
+        new_cache_mib=lambda d: d.groupby("mode")["new_cache_bytes"].cumsum() / MIB,
+    )
+    shapes = results.drop_duplicates("request").set_index("request")["request_shape"]
+    fig, (held, allocated) = plt.subplots(1, 2, figsize=(10, 4.8), layout="constrained")
+    mode_lines(held, ordered, x="request", y="footprint_mib", legend=False, merge_identical=merge_held)
+    mode_lines(allocated, ordered, x="request", y="new_cache_mib", legend=False, merge_identical=True)
+    merged = [label for label in allocated.get_legend_handles_labels()[1] if " = " in label]
+    for ax, y, title in (
+        (held, "footprint_mib", "footprint at each request's peak (MiB)"),
+        (allocated, "new_cache_mib", "cache storage allocated, cumulative (MiB)"),
+    ):
+        ax.set_ylim(0, 1.1 * ordered[y].max())  # the highest markers whole
+        ax.set_title(title, fontsize=10)
+        ax.set_xticks(shapes.index, [f"{i}\n{s}" for i, s in shapes.items()], fontsize=8)
+        ax.set_xlabel("request (batch × encoder positions)")
+    if merged:
+        allocated.text(0.02, 0.97, "drawn once: " + "; ".join(merged), transform=allocated.transAxes, va="top")
+    footprint = results.pivot_table(index="request", columns="mode", values="footprint_bytes")
+    total = results.groupby("mode")["new_cache_bytes"].sum()
+    fig.suptitle(
+        f"One reused cache holds +{_mib(footprint['reused'] - footprint['hf-static'])} MiB at every request, but "
+        f"allocates {_mib(total[['reused']])} MiB once, not {_mib(total[['hf-static']])} MiB over "
+        f"{len(shapes)} requests (hf-static)\n{setup}",
+        fontsize=11,
+    )
+    fig.legend(*held.get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=9)
+    return fig
 
 
 def kvlab_refusal(call) -> str:

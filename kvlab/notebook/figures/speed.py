@@ -1,4 +1,4 @@
-"""Appendix A2's figure: every timed run, tokens/s and the ratio to a baseline."""
+"""Appendix A2's figure: every timed run's ratio to a baseline's run of the same round."""
 
 from __future__ import annotations
 
@@ -6,62 +6,51 @@ import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
 
-from ..helpers import WIDTH
+
+def speed_verdict(table: pd.DataFrame, baseline: str) -> str:
+    """What the rounds tell apart (`table`: kvlab.timing.spread's rows of one length, by contender): the contenders
+    faster or slower than `baseline` in every round, or that none is, with the span of every ratio."""
+    others = table.drop(index=baseline)
+    faster = list(others.index[others["ratio_min"] > 1])
+    slower = list(others.index[others["ratio_max"] < 1])
+    span = f"{others['ratio_min'].min():.2f}–{others['ratio_max'].max():.2f}×"
+    if not faster and not slower:
+        return f"no contender is told apart from {baseline}: every one's ratio crosses 1 (rounds span {span})"
+    told = [f"{', '.join(names)} {word} in every round" for names, word in ((faster, "faster"), (slower, "slower"))]
+    return f"against {baseline}, " + "; ".join(t for t, names in zip(told, (faster, slower)) if names) + f" ({span})"
 
 
-def speed_figure(runs: pd.DataFrame, title: str, baseline: str = "dynamic"):
-    """Appendix A2: every timed run of one length (`runs`: kvlab.timing.speed_runs' rows), tokens/s on the
-    left (from zero), the ratio to `baseline`'s run of the same round on the right (around 1); a dot per run, a red
-    tick at the median, so the spread of the repeats is seen next to the differences between contenders. The
-    baseline's own row on the right is its reference line alone (every ratio of it is 1), labelled."""
+def speed_figure(runs: pd.DataFrame, setup: str, baseline: str = "dynamic"):
+    """One message: whether the rounds tell any contender apart from `baseline` (`speed_verdict`, the title). For
+    every timed run of one length (`runs`: kvlab.timing.speed_runs' rows), its tokens/s divided by `baseline`'s
+    run of the same round: a dot per run, a red tick at each contender's median, the baseline a line at 1.
+    `setup` (the run's sizes) goes under the title."""
     from ...timing import spread, with_ratios
 
+    if runs["new"].nunique() != 1:
+        raise ValueError(f"speed_figure draws one length; runs has {sorted(runs['new'].unique())} new tokens")
     table = spread(runs, baseline).reset_index().set_index("contender")
-    runs = with_ratios(runs, baseline)
-    order = list(dict.fromkeys(runs["contender"]))
-    others = runs[runs["contender"] != baseline]
-    fig, (speed, ratio) = plt.subplots(1, 2, figsize=(WIDTH, 0.55 * len(order) + 1.9), sharey=True)
-    for ax, data, column, median in (
-        (speed, runs, "tokens_per_s", "median"),
-        (ratio, others, "ratio", "ratio_median"),
-    ):
-        sns.stripplot(
-            data, y="contender", x=column, order=order, color="black", size=6, jitter=0.12, ax=ax, legend=False
-        )
-        shown = [c for c in order if c in set(data["contender"])]
-        ax.scatter(
-            table.loc[shown, median],
-            [order.index(c) for c in shown],
-            marker="|",
-            s=900,
-            linewidths=2.5,
-            color="tab:red",
-            zorder=4,
-        )
-        ax.set(ylabel="")
-    ratio.axvline(1, color="black", linewidth=1, zorder=1)
-    ratio.annotate(
-        f"{baseline} = 1 ×",
-        (1, order.index(baseline)),
-        xytext=(6, 0),
-        textcoords="offset points",
-        va="center",
-        fontsize=9,
-    )
+    others = with_ratios(runs, baseline).query("contender != @baseline")
+    order = list(dict.fromkeys(others["contender"]))
+    fig, ax = plt.subplots(figsize=(9, 0.55 * len(order) + 1.9))
+    sns.stripplot(others, y="contender", x="ratio", order=order, color="black", size=6, jitter=0.12, ax=ax)
+    ax.scatter(table.loc[order, "ratio_median"], range(len(order)), marker="|", s=900, linewidths=2.5, color="tab:red")
+    ax.axvline(1, color="black", linewidth=1, zorder=1)
     low, high = others["ratio"].min(), others["ratio"].max()
-    ratio.set_xlim(min(0.9, low - 0.05), max(1.1, high + 0.05))
-    speed.set_xlim(0, runs["tokens_per_s"].max() * 1.1)
-    speed.set_xlabel("generated tokens per second (every run)")
-    ratio.set_xlabel(f"÷ {baseline}'s run of the same round (x)")
-    speed.legend(
+    ax.set_xlim(min(0.9, low - 0.05), max(1.1, high + 0.05))
+    ax.set(ylabel="", xlabel=f"tokens/s ÷ {baseline}'s run of the same round (×; the line: {baseline} = 1)")
+    ax.legend(
         [
             plt.Line2D([], [], marker="o", color="black", linestyle=""),
             plt.Line2D([], [], marker="|", color="tab:red", linestyle="", markersize=14, markeredgewidth=2.5),
         ],
-        ["one run", "median"],
+        ["one round", "median"],
         fontsize=9,
-        loc="lower left",
+        loc="upper left",
+        bbox_to_anchor=(1.01, 1),
     )
-    fig.suptitle(title, fontsize=11)
+    rounds = runs["repeat"].nunique()
+    verdict = speed_verdict(table, baseline)
+    ax.set_title(f"{rounds} rounds on this machine: {verdict}\n{setup}", fontsize=10)
     fig.tight_layout()
     return fig

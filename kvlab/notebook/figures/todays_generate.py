@@ -73,63 +73,33 @@ def _largest_name(row) -> str:
     return f"the {kind}s, {per_pair:g} bytes per query-key pair × {batch}{row['prompt']}²"
 
 
-def _waste_message(waste: pd.Series) -> str:
-    """The waste figure's one message, from its bars (waste ÷ final KV per point): the most any point wastes
-    at its peak beside the cache, but the one that wastes most, named apart."""
-    worst = waste.idxmax()
-    rest = waste.drop(worst)
-    if rest.empty:
-        return f"At its peak, {worst} holds {waste[worst]:.2f} × the final KV beside the cache"
-    return (
-        f"At the peak, waste beside the cache is at most {rest.max():.2f} × the final KV, "
-        f"except in {worst} ({waste[worst]:.2f} ×)"
-    )
-
-
-def _times(ratio: float) -> str:
-    """A share of the final KV: two decimals, or a percentage under 0.1 ×."""
-    return f"{100 * ratio:.1f} % of final KV" if ratio < 0.1 else f"{ratio:.2f} ×"
-
-
-def waste_figure(table: pd.DataFrame):
-    """One message: at the peak of transformers' own generate(), above the weights, the cache's keys and values
-    written by then (and one step's activations) next to what else is alive, per point of a `kvlab.waste` table,
-    in units of the point's final KV (the dashed line). Two non-negative parts per bar (`waste_parts`), each bar
-    labelled with its total and its largest waste term; a bar whose cache is not yet written at the peak says so;
-    a diamond at the peak with generate()'s `prefill_chunk_size`."""
+def waste_figure(table: pd.DataFrame, artifacts: dict[str, str] | None = None):
+    """One message: at the peak of transformers' own generate(), above the weights, the final KV and a sliver, in
+    units of each point's final KV (the dashed line). Per point of a `kvlab.waste` table, two non-negative parts
+    (`waste_parts`), labelled with the total and the largest waste term; a bar whose cache is not yet written at
+    the peak says so. A point named in `artifacts` (point -> why) is not drawn: its row says its total and why."""
+    artifacts = artifacts or {}
+    unknown = set(artifacts) - set(table["point"])
+    if unknown:
+        raise ValueError(f"artifacts name points the table lacks: {sorted(unknown)}")
     parts = waste_parts(table)
+    needed, waste = parts["needed"] / parts["final"], parts["waste"] / parts["final"]
+    drawn = [p for p in parts.index if p not in artifacts]
     fig, ax = plt.subplots(figsize=(9, 4.5))
     y = list(range(len(parts)))
-    needed, waste = parts["needed"] / parts["final"], parts["waste"] / parts["final"]
-    ax.barh(y, needed, color="0.65", height=0.45, label="the cache written by the peak + one step's activations")
-    ax.barh(y, waste, left=needed, color="tab:red", height=0.45, label="waste: everything else alive at the peak")
-    chunked = (parts["chunked"] / parts["final"]).dropna()
-    ax.plot(
-        chunked,
-        [list(parts.index).index(p) for p in chunked.index],
-        "D",
-        markersize=9,
-        markerfacecolor="white",
-        markeredgecolor="black",
-        markeredgewidth=1.5,
-        linestyle="none",
-        label="peak with generate(..., prefill_chunk_size=32)",
-    )
-    right = max(max(needed + waste) * 1.05, 3.8)  # room for a short bar's label
+    shown = [p in drawn for p in parts.index]
+    ax.barh(y, needed.where(shown, 0), color="0.65", height=0.45, label="the final KV written by the peak + one step")
+    ax.barh(y, waste.where(shown, 0), left=needed, color="tab:red", height=0.45, label="everything else alive")
+    totals = needed + waste
+    right = max(2.0, 1.8 * totals[drawn].max())
     for i, (name, row) in enumerate(parts.iterrows()):
-        total = needed[name] + waste[name]
         ax.text(0.02, i - 0.3, _waste_label(row), fontsize=8, va="bottom", bbox=dict(color="white", pad=0.5))
-        what = f"waste {_times(waste[name])}: {_largest_name(row)}" if row["largest"] else ""
-        inside = total > right / 2  # a long bar carries its label inside, in white
-        ax.text(
-            total - 0.05 if inside else total + 0.05,
-            i,
-            f"{total:.2f} ×   {what}" if not inside else f"{what}   {total:.2f} ×",
-            va="center",
-            ha="right" if inside else "left",
-            color="white" if inside else "black",
-            fontsize=9,
-        )
+        if name in artifacts:
+            note = f"{totals[name]:.2f} ×, not drawn: {artifacts[name]}"
+            ax.text(0.02, i, note, va="center", fontsize=9, color="0.35", bbox=dict(color="white", pad=0.5), zorder=5)
+            continue
+        what = f", of which {waste[name]:.2f} × {_largest_name(row)}" if row["largest"] else ""
+        ax.text(totals[name] + 0.03, i, f"{totals[name]:.2f} ×{what}", va="center", fontsize=9)
         if needed[name] < 0.5:  # the peak comes before the cache is written: the prompt's forward
             ax.annotate(
                 f"grey, {needed[name]:.2f} ×: no cache yet, the peak is the prompt's forward",
@@ -145,13 +115,14 @@ def waste_figure(table: pd.DataFrame):
     ax.axvline(1, color="black", linestyle="--", linewidth=1)
     ax.set_yticks(y, list(parts.index))
     low = len(parts) - 0.5 + 0.45 * (needed < 0.5).iloc[-1]  # room under the last bar for its note
-    ax.set_ylim(low, -1.5)  # room above the first bar for the legend
+    ax.set_ylim(low, -1.2)  # room above the first bar for the legend
     ax.set_xlim(0, right)
-    ax.set_xlabel("overhead / final KV (× KV): alive at the peak above the weights and the inputs; dashed: 1 ×")
-    first = parts.iloc[0]
+    ax.set_xlabel("alive at the peak above the weights and the inputs, × the final KV (dashed: 1 ×)")
+    first = parts.loc[drawn[0]] if drawn else parts.iloc[0]
+    presets = " and ".join(dict.fromkeys(parts.loc[drawn, "preset"]))
     ax.set_title(
-        f"{_waste_message(waste)}\ntransformers {_version()}'s generate() on twins, {first['dtype']}, "
-        f"batch {first['batch']}, CPU",
+        f"transformers {_version()}'s generate() holds {totals[drawn].min():.2f}–{totals[drawn].max():.2f} × the "
+        f"final KV at its peak\n({presets}, {first['dtype']}, batch {first['batch']}, CPU)",
         fontsize=10,
     )
     ax.legend(loc="upper right", fontsize=8, framealpha=1)
@@ -166,24 +137,44 @@ def _version() -> str:
     return transformers.__version__
 
 
-def cache_growth_figure(growth: pd.DataFrame, title: str = ""):
-    """The storage under transformers' DynamicCache against the tokens seen, one solid line per model that has a
-    sliding layer, and what the same model would hold with every layer full (dotted), drawn from where its sliding
-    layers' window is reached (marked): before it the two are one line. A model with no sliding layer (its line
-    would be its own dotted one) is left out. MiB from zero; the legend names the models once, and the dotted
-    style once."""
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    names = growth["preset"] + growth["overrides"].fillna("").map(lambda o: f" ({o})" if o else "")
+def _window_summary(preset: str, overrides: str, rows: pd.DataFrame) -> str:
+    """A sliding model as a title says it: its sliding layers, window, and the cache at its last point (MiB and
+    the share of what it would hold with every layer full)."""
+    from ...caches import sliding_windows
+
+    windows = sliding_windows(build_config(preset, overrides.split()))
+    sliding = [w for w in windows if w is not None]
+    last = rows.iloc[-1]
+    share = last["cache_storage_bytes"] / last["full_cache_bytes"]
+    return (
+        f"{preset} ({len(sliding)} of {len(windows)} layers slide, W={max(sliding)}) "
+        f"{last['cache_storage_bytes'] / MIB:.2f} MiB ({share:.0%} of full)"
+    )
+
+
+def cache_growth_figure(growth: pd.DataFrame, setup: str = ""):
+    """One message: a sliding-window cache stops growing at its window. The storage under transformers'
+    DynamicCache against the tokens seen, one solid line per model that has a sliding layer, and what the same
+    model would hold with every layer full (dotted), drawn from where its window is reached (marked): before it
+    the two are one line. A model with no sliding layer is left out. The title says each model's cache at the
+    last point; `setup` (the run's sizes) goes under it."""
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    overrides = growth["overrides"].fillna("")
+    names = growth["preset"] + overrides.map(lambda o: f" ({o})" if o else "")
     sliding = [
         n
         for n, rows in growth.groupby(names, sort=False)
         if (rows["full_cache_bytes"] != rows["cache_storage_bytes"]).any()
     ]
+    if not sliding:
+        raise ValueError("cache_growth_figure needs a model with a sliding layer; the table has none")
     colours = dict(zip(sliding, sns.color_palette("tab10")[1:]))
+    summaries = []
     for name, rows in growth.groupby(names, sort=False):
         if name not in colours:
             continue
         colour = colours[name]
+        summaries.append(_window_summary(rows["preset"].iloc[0], overrides[rows.index[0]], rows))
         leaves = rows[rows["cache_storage_bytes"] == rows["full_cache_bytes"]].iloc[-1]  # the last point on it
         after = rows[rows["tokens"] >= leaves["tokens"]]
         ax.plot(after["tokens"], after["full_cache_bytes"] / MIB, ":", color=colour, linewidth=1.5)
@@ -199,7 +190,13 @@ def cache_growth_figure(growth: pd.DataFrame, title: str = ""):
         )
     ax.plot([], [], ":", color="0.3", linewidth=1.5, label="dotted: the same model with every layer full")
     ax.set(xlim=(0, None), ylim=(0, None), xlabel="tokens seen (prompt + generated)", ylabel="cache storage (MiB)")
-    ax.set_title(title or f"transformers {_version()}'s DynamicCache against the tokens seen", fontsize=10)
+    last = growth["tokens"].max()
+    ax.set_title(
+        f"Sliding-window caches stop growing at the window; after {last} tokens:\n"
+        + ";\n".join(summaries)
+        + (f"\n{setup}" if setup else ""),
+        fontsize=10,
+    )
     ax.legend(fontsize=9, loc="upper left")
     fig.tight_layout()
     return fig

@@ -1,0 +1,69 @@
+"""Lesson 04's figures: each decoding strategy's overhead per design, beside the real releases' (section 2), and a
+second generate() call that starts from the held cache (section 3)."""
+
+from __future__ import annotations
+
+import matplotlib.pyplot as plt
+import pandas as pd
+import seaborn as sns
+from matplotlib.lines import Line2D
+
+from .torch_cat import plot_timelines
+
+DESIGN_COLOURS = {"tuple/v4.40": "tab:red", "tuple/v4.42": "tab:orange", "dynamic/v4.40": "tab:purple"}
+DESIGN_COLOURS["dynamic/v4.42"] = "tab:blue"
+
+
+def strategies_figure(overhead: dict, real: dict, release_of: dict, names: dict, setup: str):
+    """One message: PR #30536 leaves one cache at the peak of every strategy. Bars: overhead / final KV by
+    (strategy, design) in `overhead`; a diamond where a real release (`release_of`: version -> the design it ran)
+    measured the same point (`real`: (strategy, version) -> ratio). A design no release ran is marked a
+    counterfactual in the legend. The title gives the released designs' ratios per strategy; `setup` goes under it."""
+    before, after = release_of.values()
+    bars = pd.Series(overhead).rename_axis(["strategy", "design"]).rename("x").reset_index()
+    ran = set(release_of.values())
+    bars["design"] = bars["design"].map(lambda d: d if d in ran else f"{d} (counterfactual)")
+    colours = {d if d in ran else f"{d} (counterfactual)": c for d, c in DESIGN_COLOURS.items()}
+    strategies = list(dict.fromkeys(bars["strategy"]))
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    sns.barplot(data=bars.replace({"strategy": names}), x="strategy", y="x", hue="design", palette=colours, ax=ax)
+    for container in ax.containers:
+        ax.bar_label(container, fmt="%.2f", fontsize=8, padding=5)
+    hues = list(dict.fromkeys(bars["design"]))
+    for version, design in release_of.items():  # a diamond on the bar of the design the release ran
+        for patch, strategy in zip(ax.containers[hues.index(design)], strategies):
+            if (strategy, version) in real:
+                middle = patch.get_x() + patch.get_width() / 2
+                ax.plot(middle, real[strategy, version], "D", color="black", markerfacecolor="white", zorder=5)
+    if real:
+        versions = " / ".join(release_of)
+        ax.plot([], [], "D", color="black", markerfacecolor="white", label=f"real {versions} generate()")
+    for multiple in (1, 2, 3):
+        ax.axhline(multiple, color="black", linestyle=":", linewidth=1, zorder=0)
+    ax.set(xlabel="decoding strategy", ylabel="overhead / final KV (×)", ylim=(0, 3.5))
+    ratios = ", ".join(f"{names[s]} {overhead[s, before]:.2f}× → {overhead[s, after]:.2f}×" for s in strategies)
+    title = f"PR #30536 leaves one cache at the peak of every strategy\n{before} → {after}: {ratios}\n{setup}"
+    ax.set_title(title, fontsize=10)
+    ax.legend(title=None, fontsize=9, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
+    fig.tight_layout()
+    return fig
+
+
+def restart_figure(reports: dict, overheads: dict, checks: dict, kv_bytes: int, second_call: int, setup: str):
+    """One message: the caller that keeps 4.42's default (tuples returned) still holds about twice the final KV once
+    a second generate() call starts (at step `second_call`, a grey line). `plot_timelines`' panels, one per caller
+    (`reports`); each panel says its overhead / final KV (`overheads`) and, where measured, the real release's
+    (`checks`: caller -> line). The title gives the last caller's overhead; `setup` goes under it."""
+    last = list(reports)[-1]
+    title = f"Restart: 4.42's default caller (tuples returned) still holds {overheads[last]:.2f}× the final KV\n{setup}"
+    fig = plot_timelines(reports, kv_bytes=kv_bytes, multiples=(1, 2, 3), title=title)
+    for ax, name in zip(fig.axes, reports):
+        ax.axvline(second_call - 0.5, color="grey", linewidth=2, alpha=0.5)
+        check = f"\n{checks[name]}" if name in checks else ""
+        ax.text(0.97, 0.06, f"peak: {overheads[name]:.2f}× final KV{check}", transform=ax.transAxes, ha="right")
+    handles, labels = fig.axes[0].get_legend_handles_labels()
+    handles.append(Line2D([], [], color="grey", linewidth=2, alpha=0.5))
+    labels.append("the 2nd call starts")
+    fig.legends[0].remove()  # plot_timelines' legend, drawn again with the grey line
+    fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
+    return fig
