@@ -167,11 +167,13 @@ class Shares(LiveStorageCounter):
     its kind) at each step's peak and end: the storages each made in its forward or its growth (`_SharedGrowth`)
     and still holds, but the hidden states it returns (the next layer's input, not the layer's). The extrapolation
     adds, for each layer more of a kind, what one more layer of it holds at each step (`LayerCut`'s other cuts: one
-    more layer of a kind in front); a layer's share, taken after its own forward has ended, is that without another
-    run. What it holds at a step's peak is its cache (and the round trip's previous one where a loop keeps it), which
-    a layer more in front would hold as well, if nothing else a layer holds differs by its place: `FastDryRun` checks
-    that once a point, against the other cuts' runs, and uses the shares only where they gave the same answer. A
-    share taken where its layer's forward had not ended (the peak inside or before it) is None: the runs answer."""
+    more layer of a kind in front); a layer's share is that without another run. At a peak after its forward (or
+    growth) in the step, the share is what it holds then; at a peak inside or before it, what it holds as its
+    forward ends (as the layer in front would already), where it held all of that at the peak, else None: the runs
+    answer.
+    What it holds is its cache (and the round trip's previous one where a loop keeps it), which a layer more in
+    front would hold as well, if nothing else a layer holds differs by its place: `FastDryRun` checks that once a
+    point, against the other cuts' runs, and uses the shares only where they gave the same answer."""
 
     def __init__(self, kinds: dict[int, tuple]):
         super().__init__()
@@ -182,6 +184,7 @@ class Shares(LiveStorageCounter):
         self.done: set[int] = set()  # the layers whose forward or growth has ended in this step
         self.at_step_peak = self._now(every=True)
         self.at_peak: dict[int, dict[int, int] | None] = {}
+        self.before_step_peak = self.before_peak = {}  # what every layer held at those peaks, done or not
         self.steps: list[tuple[dict, dict]] = []  # each closed step's (shares at its peak, at its end)
 
     def watch(self, layer: nn.Module, index: int):
@@ -200,6 +203,13 @@ class Shares(LiveStorageCounter):
             if entry is not None:
                 self.owned[index].pop(entry[0], None)
         self.done.add(index)
+        # A peak before this layer's forward ended: a layer in front would hold what this one holds now, which it
+        # holds at the peak too where every storage it keeps was there then, as large (the peak was after its
+        # cache's update, or the update wrote in place); what else it held then was its forward's own transient.
+        now = dict(self.owned[index])
+        for shares, before in ((self.at_step_peak, self.before_step_peak), (self.at_peak, self.before_peak)):
+            if shares.get(index, 0) is None and now.items() <= before.get(index, {}).items():
+                shares[index] = now
 
     def _now(self, every: bool = False) -> dict:
         return {i: dict(owned) if every or i in self.done else None for i, owned in self.owned.items()}
@@ -208,9 +218,9 @@ class Shares(LiveStorageCounter):
         step_peak, peak = self.step_peak_bytes, self.peak_bytes
         super()._add(nbytes, scratch)
         if self.step_peak_bytes > step_peak:
-            self.at_step_peak = self._now()
+            self.at_step_peak, self.before_step_peak = self._now(), self._now(every=True)
         if self.peak_bytes > peak:
-            self.at_peak = self._now()
+            self.at_peak, self.before_peak = self._now(), self._now(every=True)
 
     def _born(self, serial: int, storage, nbytes: int):
         super()._born(serial, storage, nbytes)
@@ -228,7 +238,7 @@ class Shares(LiveStorageCounter):
     def close_step(self):
         self.steps.append((self.at_step_peak, self._now(every=True)))
         super().close_step()
-        self.done = set()
+        self.done, self.before_peak = set(), {}  # a later step's forward does not fill an earlier step's peak
         self.at_step_peak = self._now(every=True)  # a step whose peak is its start: what the last one left
 
 
@@ -321,8 +331,8 @@ class LayerCut:
 
     def increments(self, first: MemoryReport, shares: Shares) -> list[MemoryReport] | None:
         """The reports of models[1:] as models[0]'s (`first`) plus, at each step's peak and end and at the peak,
-        what its layer of each kind in `extra` holds (`shares`); None where a share is not known (taken before its
-        layer's forward ended)."""
+        what its layer of each kind in `extra` holds (`shares`); None where a share is not known (`Shares`) or the
+        layer holds more than its cache as the run ends."""
         if len(shares.steps) != len(first.timeline) or shares.at_peak is None:
             return None
         index = {kind: i for i, kind in self.watched.items()}
