@@ -3,6 +3,8 @@ cache grows with the tokens seen."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import matplotlib.pyplot as plt
 import pandas as pd
 import seaborn as sns
@@ -51,12 +53,13 @@ def waste_parts(table: pd.DataFrame) -> pd.DataFrame:
     return pd.DataFrame(rows).set_index("point")
 
 
-def _waste_label(row) -> str:
+def _waste_label(row, with_kv: bool) -> str:
     design = {"": "greedy, DynamicCache", "cache_implementation=static": "greedy, StaticCache"}.get(row["generate"])
     if design is None:
         design = f"beam search, {row['generate']}" if "num_beams" in row["generate"] else row["generate"]
     window = f" ({row['overrides']})" if row["overrides"] else ""
-    return f"{row['preset']}{window}: {design}, prompt {row['prompt']}, {row['new']} new"
+    kv = f"; final KV {row['final'] / MIB:.1f} MiB" if with_kv else ""
+    return f"{row['preset']}{window}: {design}, prompt {row['prompt']}, {row['new']} new{kv}"
 
 
 def _largest_name(row) -> str:
@@ -73,31 +76,30 @@ def _largest_name(row) -> str:
     return f"the {kind}s, {per_pair:g} bytes per query-key pair × {batch}{row['prompt']}²"
 
 
-def waste_figure(table: pd.DataFrame, artifacts: dict[str, str] | None = None):
-    """One message: at the peak of transformers' own generate(), above the weights, the final KV and a sliver, in
-    units of each point's final KV (the dashed line). Per point of a `kvlab.waste` table, two non-negative parts
+def waste_figure(table: pd.DataFrame, left_out: Iterable[str] = ()):
+    """One message: at the peak of transformers' own generate(), above the weights, the cache and a sliver, in
+    units of the final KV (the dashed line). Per point of a `kvlab.waste` table, two non-negative parts
     (`waste_parts`), labelled with the total and the largest waste term; a bar whose cache is not yet written at
-    the peak says so. A point named in `artifacts` (point -> why) is not drawn: its row says its total and why."""
-    artifacts = artifacts or {}
-    unknown = set(artifacts) - set(table["point"])
+    the peak says so. The points named in `left_out` are not drawn (the caller says why). The title gives the
+    final KV in MiB where the drawn points share one; else each point's label does."""
+    left_out = set(left_out)
+    unknown = left_out - set(table["point"])
     if unknown:
-        raise ValueError(f"artifacts name points the table lacks: {sorted(unknown)}")
+        raise ValueError(f"left_out names points the table lacks: {sorted(unknown)}")
     parts = waste_parts(table)
+    parts = parts[~parts.index.isin(left_out)]
+    if parts.empty:
+        raise ValueError("waste_figure: every point is left out")
     needed, waste = parts["needed"] / parts["final"], parts["waste"] / parts["final"]
-    drawn = [p for p in parts.index if p not in artifacts]
-    fig, ax = plt.subplots(figsize=(9, 4.5))
-    y = list(range(len(parts)))
-    shown = [p in drawn for p in parts.index]
-    ax.barh(y, needed.where(shown, 0), color="0.65", height=0.45, label="the final KV written by the peak + one step")
-    ax.barh(y, waste.where(shown, 0), left=needed, color="tab:red", height=0.45, label="everything else alive")
     totals = needed + waste
-    right = max(2.0, 1.8 * totals[drawn].max())
+    one_kv = parts["final"].nunique() == 1
+    fig, ax = plt.subplots(figsize=(9, 0.9 * len(parts) + 1.6))
+    y = list(range(len(parts)))
+    ax.barh(y, needed, color="0.65", height=0.45, label="the cache (at most the final KV) and one step's activations")
+    ax.barh(y, waste, left=needed, color="tab:red", height=0.45, label="everything else alive")
     for i, (name, row) in enumerate(parts.iterrows()):
-        ax.text(0.02, i - 0.3, _waste_label(row), fontsize=8, va="bottom", bbox=dict(color="white", pad=0.5))
-        if name in artifacts:
-            note = f"{totals[name]:.2f} ×, not drawn: {artifacts[name]}"
-            ax.text(0.02, i, note, va="center", fontsize=9, color="0.35", bbox=dict(color="white", pad=0.5), zorder=5)
-            continue
+        label = _waste_label(row, with_kv=not one_kv)
+        ax.text(0.02, i - 0.3, label, fontsize=8, va="bottom", bbox=dict(color="white", pad=0.5))
         what = f", of which {waste[name]:.2f} × {_largest_name(row)}" if row["largest"] else ""
         ax.text(totals[name] + 0.03, i, f"{totals[name]:.2f} ×{what}", va="center", fontsize=9)
         if needed[name] < 0.5:  # the peak comes before the cache is written: the prompt's forward
@@ -116,13 +118,15 @@ def waste_figure(table: pd.DataFrame, artifacts: dict[str, str] | None = None):
     ax.set_yticks(y, list(parts.index))
     low = len(parts) - 0.5 + 0.45 * (needed < 0.5).iloc[-1]  # room under the last bar for its note
     ax.set_ylim(low, -1.2)  # room above the first bar for the legend
-    ax.set_xlim(0, right)
-    ax.set_xlabel("alive at the peak above the weights and the inputs, × the final KV (dashed: 1 ×)")
-    first = parts.loc[drawn[0]] if drawn else parts.iloc[0]
-    presets = " and ".join(dict.fromkeys(parts.loc[drawn, "preset"]))
+    ax.set_xlim(0, max(2.0, 1.8 * totals.max()))
+    unit = "the final KV" if one_kv else "each point's final KV"
+    ax.set_xlabel(f"alive at the peak above the weights and the inputs, × {unit} (dashed: 1 ×)")
+    first = parts.iloc[0]
+    presets = " and ".join(dict.fromkeys(parts["preset"]))
+    kv = f" of {first['final'] / MIB:.1f} MiB" if one_kv else ""
     ax.set_title(
-        f"transformers {_version()}'s generate() holds {totals[drawn].min():.2f}–{totals[drawn].max():.2f} × the "
-        f"final KV at its peak\n({presets}, {first['dtype']}, batch {first['batch']}, CPU)",
+        f"transformers {_version()}'s generate() holds {totals.min():.2f}–{totals.max():.2f} × the "
+        f"final KV{kv} at its peak\n({presets}, {first['dtype']}, batch {first['batch']}, CPU)",
         fontsize=10,
     )
     ax.legend(loc="upper right", fontsize=8, framealpha=1)
