@@ -8,27 +8,31 @@ import pandas as pd
 import seaborn as sns
 from matplotlib.lines import Line2D
 
+from ..helpers import MIB
 from .torch_cat import plot_timelines
 
 DESIGN_COLOURS = {"tuple/v4.40": "tab:red", "tuple/v4.42": "tab:orange", "dynamic/v4.40": "tab:purple"}
 DESIGN_COLOURS["dynamic/v4.42"] = "tab:blue"
 
 
-def strategies_figure(overhead: dict, real: dict, release_of: dict, names: dict, setup: str):
+def strategies_figure(overhead: dict, real: dict, release_of: dict, names: dict, kv_final: dict, setup: str):
     """One message: PR #30536 leaves one cache at the peak of every strategy. Bars: overhead / final KV by
-    (strategy, design) in `overhead`; a diamond where a real release (`release_of`: version -> the design it ran)
-    measured the same point (`real`: (strategy, version) -> ratio). A design no release ran is marked a
-    counterfactual in the legend. The title gives the released designs' ratios per strategy; `setup` goes under it."""
+    (strategy, design) in `overhead`, for the designs the releases ran (`release_of`: version -> design; other
+    designs in `overhead` are not drawn); a diamond where that release's own generate() measured the same point
+    (`real`: (strategy, version) -> ratio). The title gives each strategy's ratios and final KV (`kv_final`:
+    strategy -> bytes); `setup` goes under it."""
     before, after = release_of.values()
-    bars = pd.Series(overhead).rename_axis(["strategy", "design"]).rename("x").reset_index()
-    ran = set(release_of.values())
-    bars["design"] = bars["design"].map(lambda d: d if d in ran else f"{d} (counterfactual)")
-    colours = {d if d in ran else f"{d} (counterfactual)": c for d, c in DESIGN_COLOURS.items()}
-    strategies = list(dict.fromkeys(bars["strategy"]))
+    strategies = list(dict.fromkeys(s for s, _ in overhead))
+    missing = [(s, d) for s in strategies for d in (before, after) if (s, d) not in overhead or s not in kv_final]
+    if missing:
+        raise ValueError(f"strategies_figure: no overhead or final KV for {missing}")
+    drawn = {key: x for key, x in overhead.items() if key[1] in (before, after)}
+    bars = pd.Series(drawn).rename_axis(["strategy", "design"]).rename("x").reset_index()
     fig, ax = plt.subplots(figsize=(9, 4.8))
+    colours = {d: DESIGN_COLOURS[d] for d in (before, after)}
     sns.barplot(data=bars.replace({"strategy": names}), x="strategy", y="x", hue="design", palette=colours, ax=ax)
     for container in ax.containers:
-        ax.bar_label(container, fmt="%.2f", fontsize=8, padding=5)
+        ax.bar_label(container, fmt="%.2f", fontsize=9, padding=5)
     hues = list(dict.fromkeys(bars["design"]))
     for version, design in release_of.items():  # a diamond on the bar of the design the release ran
         for patch, strategy in zip(ax.containers[hues.index(design)], strategies):
@@ -42,7 +46,12 @@ def strategies_figure(overhead: dict, real: dict, release_of: dict, names: dict,
         ax.axhline(multiple, color="black", linestyle=":", linewidth=1, zorder=0)
     ax.set(xlabel="decoding strategy", ylabel="overhead / final KV (×)", ylim=(0, 3.5))
     ratios = ", ".join(f"{names[s]} {overhead[s, before]:.2f}× → {overhead[s, after]:.2f}×" for s in strategies)
-    title = f"PR #30536 leaves one cache at the peak of every strategy\n{before} → {after}: {ratios}\n{setup}"
+    by_size = {}  # strategies that share a final KV (greedy and sampling) are named together
+    for s in strategies:
+        by_size.setdefault(kv_final[s], []).append(names[s])
+    sizes = "; ".join(f"{size / MIB:.1f} MiB ({', '.join(who)})" for size, who in by_size.items())
+    title = f"PR #30536 leaves one cache at the peak of every strategy\n{before} → {after}: {ratios}"
+    title += f"\nfinal KV: {sizes}\n{setup}"
     ax.set_title(title, fontsize=10)
     ax.legend(title=None, fontsize=9, ncol=3, loc="upper center", bbox_to_anchor=(0.5, -0.14), frameon=False)
     fig.tight_layout()
