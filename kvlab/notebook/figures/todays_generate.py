@@ -101,7 +101,10 @@ def waste_figure(table: pd.DataFrame, left_out: Iterable[str] = ()):
         label = _waste_label(row, with_kv=not one_kv)
         ax.text(0.02, i - 0.3, label, fontsize=8, va="bottom", bbox=dict(color="white", pad=0.5))
         what = f", of which {waste[name]:.2f} × {_largest_name(row)}" if row["largest"] else ""
-        ax.text(totals[name] + 0.03, i, f"{totals[name]:.2f} ×{what}", va="center", fontsize=9)
+        # Inside the grey bar, at its end: the axis stops just past the longest bar, so the red slivers stay visible.
+        inside = needed[name] > 0.6
+        x, ha = (needed[name] - 0.02, "right") if inside else (totals[name] + 0.02, "left")
+        ax.text(x, i, f"{totals[name]:.2f} ×{what}", ha=ha, va="center", fontsize=9)
         if needed[name] < 0.5:  # the peak comes before the cache is written: the prompt's forward
             ax.annotate(
                 f"grey, {needed[name]:.2f} ×: no cache yet, the peak is the prompt's forward",
@@ -118,7 +121,7 @@ def waste_figure(table: pd.DataFrame, left_out: Iterable[str] = ()):
     ax.set_yticks(y, list(parts.index))
     low = len(parts) - 0.5 + 0.45 * (needed < 0.5).iloc[-1]  # room under the last bar for its note
     ax.set_ylim(low, -1.2)  # room above the first bar for the legend
-    ax.set_xlim(0, max(2.0, 1.8 * totals.max()))
+    ax.set_xlim(0, 1.08 * totals.max())
     unit = "the final KV" if one_kv else "each point's final KV"
     ax.set_xlabel(f"alive at the peak above the weights and the inputs, × {unit} (dashed: 1 ×)")
     first = parts.iloc[0]
