@@ -13,33 +13,53 @@ from .analysis import AXIS_NAMES, figure_legend, held_sizes, measured, series
 
 DESIGN_LABELS = [f"{cache} / {loop}" for cache, loop in schema.DESIGNS]  # "cache / loop", in DESIGNS order
 MARKERS = "osD^vPX*"
+GROUP_GAP = 0.1  # ratios at the largest size closer than this read as one level in the title
 
 
 def overhead_message(rows: pd.DataFrame, vary: str) -> str:
-    """What a series says, from its measured ratios (`rows`: `series` rows with `measured_x`): that the ratio does
-    not change with `vary` (every design within 0.01x), or which design's ratio moves most and from what to what;
-    then every design's ratio at the largest `vary`."""
+    """What a series says, from its measured ratios (`rows`: `series` rows with `measured_x`, `loop`): how the
+    ratios move with `vary` (none moves by 0.01x, none rises, none falls, or some each way), then the designs at
+    the largest `vary` in groups of near-equal ratios (no gap of `GROUP_GAP` inside a group), highest first."""
     if rows["preset"].nunique() > 1:  # one line per preset and design
         rows = rows.assign(design=rows["design"] + " (" + rows["preset"] + ")")
-    lines = {design: line.sort_values(vary) for design, line in rows.groupby("design", sort=False)}
-    moving = {d: line for d, line in lines.items() if len(line) > 1}
-    moves = {d: line["measured_x"].iloc[-1] - line["measured_x"].iloc[0] for d, line in moving.items()}
-    spreads = {d: line["measured_x"].max() - line["measured_x"].min() for d, line in moving.items()}
+    moves = [line.sort_values(vary)["measured_x"] for _, line in rows.groupby("design", sort=False)]
+    moves = [line.iloc[-1] - line.iloc[0] for line in moves if len(line) > 1]
     axis = AXIS_NAMES[vary].split(" (")[0]
-    if not moving or max(spreads.values()) < 0.01:
-        head = f"The ratio does not change with {axis}"
+    ratio = "peak above the weights ÷ final KV"
+    if not moves or max(map(abs, moves)) < 0.01:
+        trend = f"{ratio} does not change with {axis}\n"
+    elif max(moves) < 0.01:
+        trend = f"{ratio} falls or holds with {axis} for every design\n"
+    elif min(moves) > -0.01:
+        trend = f"{ratio} rises or holds with {axis} for every design\n"
     else:
-        most = max(moves, key=lambda d: abs(moves[d]))
-        first, last = lines[most].iloc[0], lines[most].iloc[-1]
-        head = (
-            f"{most} moves most with {axis}: {first['measured_x']:.2f}× at {first[vary]} → "
-            f"{last['measured_x']:.2f}× at {last[vary]}"
-        )
+        trend = ""  # some rise, some fall: the levels at the largest size say it
     top = rows[vary].max()
-    at_top = rows[rows[vary] == top].set_index("design")["measured_x"]
-    order = {design: i for i, design in enumerate(DESIGN_LABELS)}  # DESIGNS' order, others after
-    at_top = at_top.sort_index(key=lambda names: names.map(order).fillna(len(order)))
-    return f"{head}\nat {axis} {top}: " + ", ".join(f"{d} {x:.2f}×" for d, x in at_top.items())
+    at_top = rows[rows[vary] == top].sort_values("measured_x", ascending=False)
+    gaps = at_top["measured_x"].diff().abs().fillna(0)
+    groups = [group for _, group in at_top.groupby((gaps >= GROUP_GAP).cumsum(), sort=True)]
+    named = ", ".join(f"{_group_name(group, at_top, len(groups))} {_ratio_span(group)}" for group in groups)
+    message = f"{trend}at {axis} {top}: {named}"
+    return message[0].upper() + message[1:]
+
+
+def _group_name(group: pd.DataFrame, at_top: pd.DataFrame, n_groups: int) -> str:
+    """A group of designs by what they share: every design of one loop, every other design (the largest of
+    several groups), every design (the only group), else the designs by name."""
+    loops = set(group["loop"])
+    if len(group) > 1 and len(loops) == 1 and len(at_top[at_top["loop"].isin(loops)]) == len(group):
+        return f"every {loops.pop()} design"
+    if len(group) > 1 and n_groups == 1:
+        return "every design"
+    if len(group) > 1 and len(group) > len(at_top) / 2:
+        return "every other design"
+    return " and ".join(group["design"])
+
+
+def _ratio_span(group: pd.DataFrame) -> str:
+    """The group's ratio, or its range where its designs differ at two decimals."""
+    low, high = f"{group['measured_x'].min():.2f}", f"{group['measured_x'].max():.2f}"
+    return f"{low}×" if low == high else f"{low}–{high}×"
 
 
 def overhead_figure(df: pd.DataFrame, vary: str = "new"):
@@ -91,7 +111,8 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new"):
         else:
             ax.set_ylim(0, max(2.2, part["measured_x"].max() * 1.08))
         ax.set(xlim=(0, None), xlabel=AXIS_NAMES[vary], title=name)
-    axes[0][0].set_ylabel("peak above the weights ÷ final KV (x)")
+    for ax in axes[0]:  # every panel: its y range differs from the other's
+        ax.set_ylabel("peak above the weights ÷ final KV (x)")
     figure_legend(fig, axes[0], ncol=3)
     first = rows.iloc[0]
     fig.suptitle(

@@ -82,22 +82,25 @@ def reuse_figure(results: pd.DataFrame, setup: str, merge_held: bool = False):
     mode_lines(held, ordered, x="request", y="footprint_mib", legend=False, merge_identical=merge_held)
     mode_lines(allocated, ordered, x="request", y="new_cache_mib", legend=False, merge_identical=True)
     merged = [label for label in allocated.get_legend_handles_labels()[1] if " = " in label]
-    for ax, y, title in (
-        (held, "footprint_mib", "footprint at each request's peak (MiB)"),
-        (allocated, "new_cache_mib", "cache storage allocated, cumulative (MiB)"),
+    for ax, y, side, label in (
+        (held, "footprint_mib", "the cost: more held at every peak", "footprint at the request's peak (MiB)"),
+        (allocated, "new_cache_mib", "the gain: allocated once", "cache storage allocated so far (MiB)"),
     ):
         ax.set_ylim(0, 1.1 * ordered[y].max())  # the highest markers whole
-        ax.set_title(title, fontsize=10)
+        ax.set_title(side, fontsize=10)
+        ax.set_ylabel(label)
         ax.set_xticks(shapes.index, [f"{i}\n{s}" for i, s in shapes.items()], fontsize=8)
         ax.set_xlabel("request (batch × encoder positions)")
     if merged:
         allocated.text(0.02, 0.97, "drawn once: " + "; ".join(merged), transform=allocated.transAxes, va="top")
     footprint = results.pivot_table(index="request", columns="mode", values="footprint_bytes")
     total = results.groupby("mode")["new_cache_bytes"].sum()
+    more = _mib(footprint["reused"] - footprint["hf-static"])
+    once, spread = _mib(total[["reused"]]), _mib(total[["hf-static"]])
     fig.suptitle(
-        f"One reused cache holds +{_mib(footprint['reused'] - footprint['hf-static'])} MiB at every request, but "
-        f"allocates {_mib(total[['reused']])} MiB once, not {_mib(total[['hf-static']])} MiB over "
-        f"{len(shapes)} requests (hf-static)\n{setup}",
+        f"One reused cache trades memory held for memory allocated: {more} MiB more than hf-static at every "
+        f"request's peak,\nfor {once} MiB allocated once instead of {spread} MiB over {len(shapes)} requests"
+        f"\n{setup}",
         fontsize=11,
     )
     fig.legend(*held.get_legend_handles_labels(), loc="outside lower center", ncol=4, fontsize=9)
