@@ -18,12 +18,14 @@ GROUP_GAP = 0.1  # ratios at the largest size closer than this read as one level
 
 def overhead_message(rows: pd.DataFrame, vary: str) -> str:
     """What a series says, from its measured ratios (`rows`: `series` rows with `measured_x`, `loop`): how the
-    ratios move with `vary` (none moves by 0.01x, none rises, none falls, or some each way), then the designs at
-    the largest `vary` in groups of near-equal ratios (no gap of `GROUP_GAP` inside a group), highest first."""
+    ratios move with `vary` (none moves by 0.01x, none rises, none falls, or, some each way, the one that moves
+    most against the others), then the designs at the largest `vary` in groups of near-equal ratios (no gap of
+    `GROUP_GAP` inside a group), highest first."""
     if rows["preset"].nunique() > 1:  # one line per preset and design
         rows = rows.assign(design=rows["design"] + " (" + rows["preset"] + ")")
-    moves = [line.sort_values(vary)["measured_x"] for _, line in rows.groupby("design", sort=False)]
-    moves = [line.iloc[-1] - line.iloc[0] for line in moves if len(line) > 1]
+    lines = {design: line.sort_values(vary) for design, line in rows.groupby("design", sort=False)}
+    ends = {design: line.iloc[[0, -1]] for design, line in lines.items() if len(line) > 1}  # its first and last
+    moves = [end["measured_x"].iloc[1] - end["measured_x"].iloc[0] for end in ends.values()]
     axis = AXIS_NAMES[vary].split(" (")[0]
     ratio = "peak above the weights ÷ final KV"
     if not moves or max(map(abs, moves)) < 0.01:
@@ -32,8 +34,12 @@ def overhead_message(rows: pd.DataFrame, vary: str) -> str:
         trend = f"{ratio} falls or holds with {axis} for every design\n"
     elif min(moves) > -0.01:
         trend = f"{ratio} rises or holds with {axis} for every design\n"
-    else:
-        trend = ""  # some rise, some fall: the levels at the largest size say it
+    else:  # some rise, some fall: the one that moves most, against how little the others do
+        moved = {design: abs(end["measured_x"].iloc[1] - end["measured_x"].iloc[0]) for design, end in ends.items()}
+        most = max(moved, key=moved.get)
+        rest = max((move for design, move in moved.items() if design != most), default=0)
+        (a, b), (x, y) = ends[most][vary], ends[most]["measured_x"]
+        trend = f"{ratio} moves by at most {rest:.2f}× with {axis}, but for {most}: {x:.2f}× at {a} → {y:.2f}× at {b}\n"
     top = rows[vary].max()
     at_top = rows[rows[vary] == top].sort_values("measured_x", ascending=False)
     gaps = at_top["measured_x"].diff().abs().fillna(0)
