@@ -28,7 +28,7 @@ def _same_live(reports: dict, kv_final: int) -> dict:
     return same
 
 
-def today_caches_figure(reports: dict, overheads: dict, kv_final: int, block_tokens: int, setup: str):
+def today_caches_figure(reports: dict, overheads: dict, kv_final: int, setup: str):
     """Section 4's figure, one message: under today's loop (v5) every cache peaks near one final KV. Per design
     (`reports`: MemoryReports, `overheads`: overhead / final KV) the live bytes at each step's end (wide, pale) and
     the peak inside the step (dashed), in units of the final KV, step 0's peak circled. A design whose live line is
@@ -47,7 +47,7 @@ def today_caches_figure(reports: dict, overheads: dict, kv_final: int, block_tok
         handles.append(Line2D([], [], color=colour, linewidth=2, label=f"{name}: peak {overheads[name]:.2f}×"))
         low, high = min(low, live.min() - 0.05), max(high, peak.max() + 0.05)
     for name, other in hidden.items():
-        label = f"{name}: peak {overheads[name]:.2f}× (not drawn: live on {other}'s)"
+        label = f"{name}: peak {overheads[name]:.2f}× (same line as {other})"
         handles.append(Line2D([], [], linestyle="", label=label))
     ax.axhline(1, color="black", linewidth=1.1, linestyle=":", zorder=10)  # on top: static's live line is at 1×
     handles += [
@@ -60,8 +60,7 @@ def today_caches_figure(reports: dict, overheads: dict, kv_final: int, block_tok
     ax.set(xlabel="decoding step (0 = the prompt's forward)", ylabel="above the weights and inputs (× final KV)")
     values = [overheads[name] for name in reports]
     ax.set_title(
-        f"Today's loop (v5): every cache peaks at {min(values):.2f}–{max(values):.2f}× the final KV\n"
-        f"(static holds 1× from step 0, prealloc grows in blocks of {block_tokens} tokens)\n{setup}",
+        f"Today's loop (v5): every cache peaks at {min(values):.2f}–{max(values):.2f}× the final KV\n{setup}",
         fontsize=10,
     )
     ax.legend(handles=handles, fontsize=8.5, loc="lower right", ncol=2)
