@@ -163,24 +163,23 @@ def peak_step(report: MemoryReport) -> int:
 
 
 class Shares(LiveStorageCounter):
-    """The meter's live-storage counter, also noting what a few layers of a cut model hold (`kinds`: layer index ->
-    its kind) at each step's peak and end: the storages each made in its forward or its growth (`_SharedGrowth`)
+    """The meter's live-storage counter, also noting what a few layers of a cut model hold (`layers`: their
+    indexes) at each step's peak and end: the storages each made in its forward or its growth (`_SharedGrowth`)
     and still holds, but the hidden states it returns (the next layer's input, not the layer's). The extrapolation
     adds, for each layer more of a kind, what one more layer of it holds at each step (`LayerCut`'s other cuts: one
     more layer of a kind in front); a layer's share is that without another run. At a peak after its forward (or
     growth) in the step, the share is what it holds then; at a peak inside or before it, what it holds as its
     forward ends (as the layer in front would already), where it held all of that at the peak, else None: the runs
-    answer.
-    What it holds is its cache (and the round trip's previous one where a loop keeps it), which a layer more in
+    answer. What it holds is its cache (and the round trip's previous one where a loop keeps it), which a layer more in
     front would hold as well, if nothing else a layer holds differs by its place: `FastDryRun` checks that once a
     point, against the other cuts' runs, and uses the shares only where they gave the same answer."""
 
-    def __init__(self, kinds: dict[int, tuple]):
+    def __init__(self, layers):
         super().__init__()
-        self.kinds, self.tag = kinds, None
+        self.tag = None  # the layer whose forward or growth runs now
         self.labels: dict[int, str] = {}  # the meter's names of storages (kvlab.planner.dry_run.dry_run sets it)
         self.end_bytes: dict[int, int] = {}  # each watched layer's cache bytes as the run ends (`FastDryRun._run`)
-        self.owned: dict[int, dict[int, int]] = {i: {} for i in kinds}  # layer -> {serial: bytes}
+        self.owned: dict[int, dict[int, int]] = {i: {} for i in layers}  # layer -> {serial: bytes}
         self.done: set[int] = set()  # the layers whose forward or growth has ended in this step
         self.at_step_peak = self._now(every=True)
         self.at_peak: dict[int, dict[int, int] | None] = {}
