@@ -144,7 +144,7 @@ class FastDryRun(DryRun):
         """(report, tokens each layer holds, and with `watched` the `Shares` of those layers, else None) of one cut's
         run."""
         shares = Shares(watched) if watched else None
-        hooks = [shares.watch(model.get_decoder().layers[i], i) for i in watched or ()]
+        hooks = [hook for i in watched or () for hook in shares.watch(model.get_decoder().layers[i], i)]
         try:
             with short_scans(model):  # a prompt's scan over its chunks in two of them (kvlab.planner.scans)
                 step_forward = _SharedGrowth(plan, shares) if shares is not None else None
@@ -190,7 +190,7 @@ class Shares(LiveStorageCounter):
         """Hooks that tag what `layer` makes in its forward as layer `index`'s, and end its share's step there."""
         before = layer.register_forward_pre_hook(lambda *_: setattr(self, "tag", index))
         after = layer.register_forward_hook(lambda module, args, out: self.ended(index, out))
-        return _Both(before, after)
+        return before, after
 
     def ended(self, index: int, returned=None):
         """Layer `index` has ended its forward (returning `returned`) or growth in this step."""
@@ -239,15 +239,6 @@ class Shares(LiveStorageCounter):
         super().close_step()
         self.done, self.before_peak = set(), {}  # a later step's forward does not fill an earlier step's peak
         self.at_step_peak = self._now(every=True)  # a step whose peak is its start: what the last one left
-
-
-class _Both:
-    def __init__(self, *handles):
-        self.handles = handles
-
-    def remove(self):
-        for handle in self.handles:
-            handle.remove()
 
 
 class _SharedGrowth(BulkSkippingForward):
