@@ -100,6 +100,83 @@ def install_reference(version: str) -> Path | None:
     return target
 
 
+# Lesson 02's diff of PR #30536: the places of transformers 4.40.1 and 4.42.4 that decide what greedy decoding
+# with a Llama model holds (the copy and the logits are unchanged; the others the PR changed). Each: a title, the
+# file under transformers/, and per release the line after which to look (a def, a class or a unique line), the
+# excerpt's first line and the line that ends it (not included), each as its text begins, indentation aside.
+# 4.40.1's greedy search is `_greedy_search`; 4.42.4's generate() sends it to `_sample` (its `_greedy_search` is a
+# deprecated wrapper). 4.42.4's excerpt of the cache it is given stops before the deprecation warning it logs.
+PR_EXCERPTS = [
+    (
+        "DynamicCache.update: the copy",
+        "cache_utils.py",
+        {
+            version: ("class DynamicCache(", "self.key_cache[layer_idx] = torch.cat", "return self.key")
+            for version in ("4.40.1", "4.42.4")
+        },
+    ),
+    (
+        "LlamaModel.forward: the cache it is given",
+        "models/llama/modeling_llama.py",
+        {
+            "4.40.1": ("class LlamaModel(", "past_seen_tokens = 0", "if cache_position is None:"),
+            "4.42.4": ("class LlamaModel(", "return_legacy_cache = False", "logger.warning_once("),
+        },
+    ),
+    (
+        "LlamaModel.forward: the cache it returns",
+        "models/llama/modeling_llama.py",
+        {
+            "4.40.1": ("class LlamaModel(", "next_cache = None", "if not return_dict:"),
+            "4.42.4": ("class LlamaModel(", "next_cache = next_decoder_cache", "if not return_dict:"),
+        },
+    ),
+    (
+        "generate(): the cache it starts with (4.42.4: the branch for no `cache_implementation`)",
+        "generation/utils.py",
+        {
+            "4.40.1": ("def generate(", "self._validate_generated_length(", "# 7. determine"),
+            "4.42.4": ("def generate(", "# Use DynamicCache() instance by default", "# 7. determine"),
+        },
+    ),
+    (
+        "the greedy loop (4.42.4: `_sample`, where generate() sends greedy search): the next token's logits",
+        "generation/utils.py",
+        {
+            "4.40.1": ("def _greedy_search(", "if synced_gpus and", "# pre-process"),
+            "4.42.4": ("def _sample(", "if synced_gpus and", "# pre-process"),
+        },
+    ),
+    (
+        "the greedy loop (4.42.4: `_sample`): the end of a step",
+        "generation/utils.py",
+        {
+            "4.40.1": ("def _greedy_search(", "unfinished_sequences = unfinished", "if streamer"),
+            "4.42.4": ("def _sample(", "unfinished_sequences = unfinished", "if streamer"),
+        },
+    ),
+    (
+        "LlamaForCausalLM.forward: the logits",
+        "models/llama/modeling_llama.py",
+        {version: ("logits = torch.cat(logits, dim=-1)", "else:", "loss = None") for version in ("4.40.1", "4.42.4")},
+    ),
+]
+
+
+def cut_excerpts() -> dict:
+    """{release: {title: {"path", "line", "lines"}}}: PR_EXCERPTS cut from the installed 4.40.1 and 4.42.4 (each
+    installed once: `install_reference`). `python scripts/pr_excerpts.py` writes them to data/reference/."""
+    excerpts = {version: {} for version in ("4.40.1", "4.42.4")}
+    for title, path, anchors in PR_EXCERPTS:
+        for version, (after, start, stop) in anchors.items():
+            lines = (install_reference(version) / "transformers" / path).read_text().splitlines()
+            first = next(i for i, line in enumerate(lines) if line.lstrip().startswith(after))
+            begin = next(i for i in range(first, len(lines)) if lines[i].lstrip().startswith(start))
+            end = next(i for i in range(begin + 1, len(lines)) if lines[i].lstrip().startswith(stop))
+            excerpts[version][title] = {"path": path, "line": begin + 1, "lines": lines[begin:end]}
+    return excerpts
+
+
 def release_values(config) -> dict:
     """CONFIG_KEYS' values of a 5.x config, and rope_theta (5.x nests it in rope_parameters)."""
     values = {key: getattr(config, key) for key in CONFIG_KEYS if hasattr(config, key)}

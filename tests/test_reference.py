@@ -5,6 +5,7 @@ builds the same weights and prompt on both sides, so memory and tokens can be co
 """
 
 import functools
+import json
 
 import pytest
 import torch
@@ -105,6 +106,15 @@ def _real_records(pair: str, quick: bool) -> dict:
         ],
     )
     return {(p["dtype"], p["config"], p["strategy"]): record for p, record in zip(points, records)}
+
+
+def test_the_committed_excerpts_are_the_releases_own_lines():
+    """Lessons 02 and A4 diff data/reference/pr30536_excerpts.json: it must be what the releases' files hold."""
+    for version in releases.RELEASES:
+        if install_error(version):
+            pytest.skip(install_error(version))
+    committed = json.loads((releases.ROOT / "data" / "reference" / "pr30536_excerpts.json").read_text())
+    assert committed == releases.cut_excerpts(), "the releases' lines moved: python scripts/pr_excerpts.py"
 
 
 @pytest.mark.parametrize("version", list(releases.RELEASES))

@@ -89,7 +89,7 @@ def test_every_design_decodes_the_sentence_transformers_generate_decodes(smollm2
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_the_real_releases_decode_the_same_sentence(releases_text, strategy):
     """transformers 4.40.1 and 4.42.4, given the same weights (no GGUF reader there: a state dict), each in its own
-    process (kvlab.text.release_text's path), and the installed release in a fresh process."""
+    process (as appendix A4 runs them), and the installed release in a fresh process."""
     for version in RELEASES:
         assert text.decode(releases_text[version, strategy]) == ANSWER, version
 
