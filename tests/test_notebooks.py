@@ -445,3 +445,28 @@ def test_the_overhead_title_does_not_name_one_mover_where_several_move():
         "Peak above the weights ÷ final KV rises for some designs and falls for others with prompt length; most: "
         "dynamic / v5, 1.50× at 100 → 1.20× at 1600\n"
     ), title
+
+
+def test_the_beam_figure_title_gives_each_ratio_to_two_decimals_on_two_lines():
+    """Appendix A6's beam figure: the message over two lines of at most 100 characters, each design's ratio to 2
+    decimals (the lessons'), one cache object's two ratios named by loop where they differ at 2 decimals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvlab.meter import MemoryReport, StepMemory
+    from kvlab.notebook.figures.strategies import BEAM_PANELS, beam_figure
+
+    report = MemoryReport("cpu", "live-storages", 0, 0, None, [StepMemory(i, i, i + 1) for i in range(3)])
+    reports = dict.fromkeys(BEAM_PANELS, report)
+    overheads = {"tuple/v4.40": 2.996, "tuple/v4.42": 2.004, "dynamic/v4.40": 1.012, "dynamic/v4.42": 1.018}
+    title = beam_figure(reports, overheads, 2, "setup").texts[0].get_text().split("\n")
+    assert title == [
+        "Peak above the weights in beam search: the tuple 3.00× the final KV under ≤ 4.41's loop,",
+        "2.00× under 4.42's; one cache object 1.01× under ≤ 4.41's, 1.02× under 4.42's",
+        "setup",
+    ]
+    assert all(len(line) <= 100 for line in title)
+    same = beam_figure(reports, overheads | {"dynamic/v4.40": 1.021}, 2, "s").texts[0].get_text()
+    assert "one cache object 1.02× under either\n" in same
+    with pytest.raises(ValueError, match="tuple/v4.42"):
+        beam_figure({k: v for k, v in reports.items() if k != "tuple/v4.42"}, overheads, 2, "s")
