@@ -377,3 +377,96 @@ def test_lessons_01_to_03_climb_through_the_lessons_floor_only():
     assert "kvlab.loops" in modules and "kvlab.meter" in modules  # the walk sees through the lessons' imports
     above = ("lab", "planner", "savers", "waste", "explain", "graphs", "encdec", "timing", "compare", "cli")
     assert sorted(m for m in modules if m.split(".")[1:2] and m.split(".")[1] in above) == []
+
+
+def _overhead_rows(ratios: dict, vary: str = "prompt"):
+    """A results table with one series over `vary`: `ratios` maps "cache / loop" to {size: overhead ÷ final KV}."""
+    import pandas as pd
+
+    held = dict(new=2, batch=1, prompt=300) | {vary: None}
+    rows = []
+    for design, points in ratios.items():
+        cache, loop = design.split(" / ")
+        for size, ratio in points.items():
+            kv = 1000 * size
+            point = dict(held, **{vary: size}, cache=cache, loop=loop, preset="p", dtype="float32", device="cpu")
+            rows.append(point | dict(status="ok", kv_final_bytes=kv, overhead_bytes=ratio * kv))
+    table = pd.DataFrame(rows)
+    return table.assign(predicted_overhead_bytes=table["overhead_bytes"])
+
+
+def test_the_overhead_figure_names_its_only_mover_and_leaves_one_point_designs_out():
+    """Appendix A5's figures: where one design moves with the size and the others hold, the title names that one
+    with its two ends; a design measured at one point of the series is not drawn but named, with its ratio, by
+    `one_point_note`; a reference design is redrawn in today's panel only when asked."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvlab.notebook.figures.compare import one_point_note, overhead_figure
+
+    table = _overhead_rows(
+        {
+            "tuple / v4.40": {100: 2.21, 1600: 2.24},
+            "dynamic / v4.42": {100: 1.36, 1600: 1.38},
+            "prealloc / v5": {100: 1.44, 1600: 1.19},
+            "dynamic / v5": {100: 1.17, 1600: 1.19},
+            "list / v5": {100: 1.05},
+        }
+    )
+    fig = overhead_figure(table, "prompt", reference="dynamic / v4.42")
+    title = fig.texts[0].get_text()
+    assert title.startswith(
+        "Peak above the weights ÷ final KV: only prealloc / v5 moves with prompt length, 1.44× at 100 → 1.19× at 1600"
+        " (the others within 0.03×)\n"
+    ), title
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert not any("list" in label for label in labels)
+    assert labels[-1] == "dynamic / v4.42 (left panel), for comparison"
+    assert one_point_note(table, "prompt") == (
+        "Measured at one point of the series only, so not drawn: list / v5 1.05× at prompt length 100"
+    )
+    assert one_point_note(table[table["cache"] != "list"], "prompt") == ""
+    plain = [t.get_text() for t in overhead_figure(table, "prompt").legends[0].get_texts()]
+    assert plain == labels[:-1]
+    with pytest.raises(ValueError, match="not a design of the left panel"):
+        overhead_figure(table, "prompt", reference="dynamic / v5")
+
+
+def test_the_overhead_title_does_not_name_one_mover_where_several_move():
+    """Two designs that move by more than a level's gap each way: no design is called the only mover."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvlab.notebook.figures.compare import overhead_figure
+
+    table = _overhead_rows({"dynamic / v5": {100: 1.5, 1600: 1.2}, "static / v5": {100: 1.1, 1600: 1.3}})
+    title = overhead_figure(table, "prompt").texts[0].get_text()
+    assert title.startswith(
+        "Peak above the weights ÷ final KV rises for some designs and falls for others with prompt length; most: "
+        "dynamic / v5, 1.50× at 100 → 1.20× at 1600\n"
+    ), title
+
+
+def test_the_beam_figure_title_gives_each_ratio_to_two_decimals_on_two_lines():
+    """Appendix A6's beam figure: the message over two lines of at most 100 characters, each design's ratio to 2
+    decimals (the lessons'), one cache object's two ratios named by loop where they differ at 2 decimals."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from kvlab.meter import MemoryReport, StepMemory
+    from kvlab.notebook.figures.strategies import BEAM_PANELS, beam_figure
+
+    report = MemoryReport("cpu", "live-storages", 0, 0, None, [StepMemory(i, i, i + 1) for i in range(3)])
+    reports = dict.fromkeys(BEAM_PANELS, report)
+    overheads = {"tuple/v4.40": 2.996, "tuple/v4.42": 2.004, "dynamic/v4.40": 1.012, "dynamic/v4.42": 1.018}
+    title = beam_figure(reports, overheads, 2, "setup").texts[0].get_text().split("\n")
+    assert title == [
+        "Peak above the weights in beam search: the tuple 3.00× the final KV under ≤ 4.41's loop,",
+        "2.00× under 4.42's; one cache object 1.01× under ≤ 4.41's, 1.02× under 4.42's",
+        "setup",
+    ]
+    assert all(len(line) <= 100 for line in title)
+    same = beam_figure(reports, overheads | {"dynamic/v4.40": 1.021}, 2, "s").texts[0].get_text()
+    assert "one cache object 1.02× under either\n" in same
+    with pytest.raises(ValueError, match="tuple/v4.42"):
+        beam_figure({k: v for k, v in reports.items() if k != "tuple/v4.42"}, overheads, 2, "s")

@@ -19,8 +19,8 @@ GROUP_GAP = 0.1  # ratios at the largest size closer than this read as one level
 def overhead_message(rows: pd.DataFrame, vary: str) -> str:
     """What a series says, from its measured ratios (`rows`: `series` rows with `measured_x`, `loop`): how the
     ratios move with `vary` (none moves by 0.01x, none rises, none falls, or, some each way, the one that moves
-    most against the others), then the designs at the largest `vary` in groups of near-equal ratios (no gap of
-    `GROUP_GAP` inside a group), highest first."""
+    most: the only mover where every other design holds within `GROUP_GAP`), then the designs at the largest
+    `vary` in groups of near-equal ratios (no gap of `GROUP_GAP` inside a group), highest first."""
     if rows["preset"].nunique() > 1:  # one line per preset and design
         rows = rows.assign(design=rows["design"] + " (" + rows["preset"] + ")")
     lines = {design: line.sort_values(vary) for design, line in rows.groupby("design", sort=False)}
@@ -39,7 +39,11 @@ def overhead_message(rows: pd.DataFrame, vary: str) -> str:
         most = max(moved, key=moved.get)
         rest = max((move for design, move in moved.items() if design != most), default=0)
         (a, b), (x, y) = ends[most][vary], ends[most]["measured_x"]
-        trend = f"{ratio} moves by at most {rest:.2f}× with {axis}, but for {most}: {x:.2f}× at {a} → {y:.2f}× at {b}\n"
+        span = f"{x:.2f}× at {a} → {y:.2f}× at {b}"
+        if rest < GROUP_GAP:  # the others hold one level: the mover is the series' one message
+            trend = f"{ratio}: only {most} moves with {axis}, {span} (the others within {rest:.2f}×)\n"
+        else:
+            trend = f"{ratio} rises for some designs and falls for others with {axis}; most: {most}, {span}\n"
     top = rows[vary].max()
     at_top = rows[rows[vary] == top].sort_values("measured_x", ascending=False)
     gaps = at_top["measured_x"].diff().abs().fillna(0)
@@ -68,18 +72,46 @@ def _ratio_span(group: pd.DataFrame) -> str:
     return f"{low}×" if low == high else f"{low}–{high}×"
 
 
-def overhead_figure(df: pd.DataFrame, vary: str = "new"):
-    """Peak above the weights ÷ final KV against one size, in two panels so that no design hides another: the
-    PR's comparison (the loops of v4.40 and v4.42: the tuple cache on 2x, one cache object near 1x, y from zero)
-    and today's loop with every design (v5: all near 1x, the y axis zoomed so that they separate). Measured:
-    markers on a line; kvlab.theory: a thin black dash over each. Each design keeps its colour and marker in every
-    figure; one measured at a single point of the series says so in the legend. The title: `overhead_message`,
-    then the sizes held."""
+def _ratios(df: pd.DataFrame, vary: str) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """The series over `vary` with its measured and predicted overhead ÷ final KV (`measured_x`, `theory_x`), split
+    into the designs measured at two or more of its points (lines) and those measured at one point only."""
     rows = series(measured(df), vary)
     rows = rows.assign(
         measured_x=rows["overhead_bytes"] / rows["kv_final_bytes"],
         theory_x=rows["predicted_overhead_bytes"] / rows["kv_final_bytes"],
     )
+    points = rows.groupby(["preset", "design"])[vary].transform("nunique")
+    return rows[points > 1], rows[points == 1]
+
+
+def one_point_note(df: pd.DataFrame, vary: str = "new") -> str:
+    """The designs `overhead_figure` leaves out, measured at a single point of the series (a point adds nothing to
+    how a ratio moves), each with its ratio; empty where there is none."""
+    _, single = _ratios(df, vary)
+    if single.empty:
+        return ""
+    several = single["preset"].nunique() > 1
+    axis = AXIS_NAMES[vary].split(" (")[0]
+    named = ", ".join(
+        f"{row['design']}{f' ({row.preset})' if several else ''} {row['measured_x']:.2f}× at {axis} {row[vary]}"
+        for _, row in single.iterrows()
+    )
+    return f"Measured at one point of the series only, so not drawn: {named}"
+
+
+def overhead_figure(df: pd.DataFrame, vary: str = "new", reference: str | None = None):
+    """Peak above the weights ÷ final KV against one size, in two panels so that no design hides another: the
+    PR's comparison (the loops of v4.40 and v4.42: the tuple cache on 2x, one cache object near 1x, y from zero)
+    and today's loop with every design (v5: all near 1x, the y axis zoomed so that they separate). Measured:
+    markers on a line; kvlab.theory: a thin black dash over each. Each design keeps its colour and marker in every
+    figure; designs measured at a single point are left out (`one_point_note` names them). `reference`: a design
+    of the left panel drawn again in the right one, a faint line without markers, to set today's designs against
+    it. The title: `overhead_message`, then the sizes held."""
+    rows, _ = _ratios(df, vary)
+    if rows.empty:
+        raise ValueError(f"overhead_figure: no design measured at two or more {AXIS_NAMES[vary]}")
+    if reference is not None and reference not in set(rows.loc[rows["loop"] != "v5", "design"]):
+        raise ValueError(f"overhead_figure: reference {reference!r} is not a design of the left panel's lines")
     several = rows["preset"].nunique() > 1
     panels = [
         ("before and after the PR (loops v4.40, v4.42)", rows[rows["loop"] != "v5"]),
@@ -92,9 +124,6 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new"):
     for ax, (name, part) in zip(axes[0], panels):
         # Hollow markers that shrink from line to line: where designs coincide, each stays visible inside the last.
         for i, ((preset, design), line) in enumerate(part.groupby(["preset", "design"], sort=False)):
-            label = f"{design} ({preset})" if several else design
-            if len(line) == 1:
-                label += f" (only at {line[vary].item()})"
             ax.plot(
                 line[vary],
                 line["measured_x"],
@@ -104,7 +133,7 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new"):
                 fillstyle="none",
                 markeredgewidth=1.5,
                 color=colours[design],
-                label=label,
+                label=f"{design} ({preset})" if several else design,
             )
             if line["theory_x"].notna().all():
                 ax.plot(line[vary], line["theory_x"], "--", color="black", linewidth=0.8, zorder=4)
@@ -112,7 +141,21 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new"):
         for multiple in (1, 2):
             ax.axhline(multiple, color="grey", linestyle=":", linewidth=1.2, zorder=1)
         if part["loop"].eq("v5").all():
-            low, high = part[["measured_x", "theory_x"]].min().min(), part[["measured_x", "theory_x"]].max().max()
+            shown = part[["measured_x", "theory_x"]]
+            if reference is not None:
+                again = rows[rows["design"] == reference]
+                ax.plot(
+                    again[vary],
+                    again["measured_x"],
+                    "-",
+                    color=colours[reference],
+                    linewidth=4,
+                    alpha=0.3,
+                    zorder=0,
+                    label=f"{reference} (left panel), for comparison",
+                )
+                shown = pd.concat([shown, again[["measured_x"]]])
+            low, high = shown.min().min(), shown.max().max()
             ax.set_ylim(min(0.98, low - 0.01), high + 0.25 * (high - min(0.98, low)) + 0.01)
         else:
             ax.set_ylim(0, max(2.2, part["measured_x"].max() * 1.08))

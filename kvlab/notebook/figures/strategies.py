@@ -1,5 +1,5 @@
 """Lesson 04's figures: each decoding strategy's overhead per design, beside the real releases' (section 2), and a
-second generate() call that starts from the held cache (section 3)."""
+second generate() call that starts from the held cache (section 3); appendix A6's beam search step by step."""
 
 from __future__ import annotations
 
@@ -76,3 +76,26 @@ def restart_figure(reports: dict, overheads: dict, checks: dict, kv_bytes: int, 
     fig.legends[0].remove()  # plot_timelines' legend, drawn again with the grey line
     fig.legend(handles, labels, loc="lower center", ncol=len(labels), fontsize=9, frameon=False)
     return fig
+
+
+BEAM_PANELS = ("tuple/v4.40", "tuple/v4.42", "dynamic/v4.40", "dynamic/v4.42")  # the PR's caches by its loops
+
+
+def beam_figure(reports: dict, overheads: dict, kv_bytes: int, setup: str):
+    """One message: in beam search the tuple holds 3x then 2x the final KV at its peak, one cache object about 1x.
+    `plot_timelines`' four panels (`reports`: "cache/loop" -> MemoryReport, `BEAM_PANELS` each) against 1, 2 and 3
+    `kv_bytes`; the title gives each design's overhead / final KV (`overheads`, same keys) to 2 decimals, as the
+    lessons print them, over two lines; `setup` goes under it."""
+    missing = [name for name in BEAM_PANELS if name not in reports or name not in overheads]
+    if missing:
+        raise ValueError(f"beam_figure: no report or overhead for {missing}")
+    x = {name: f"{overheads[name]:.2f}×" for name in BEAM_PANELS}
+    if x["dynamic/v4.40"] == x["dynamic/v4.42"]:
+        one_object = f"{x['dynamic/v4.42']} under either"
+    else:
+        one_object = f"{x['dynamic/v4.40']} under ≤ 4.41's, {x['dynamic/v4.42']} under 4.42's"
+    title = (
+        f"Peak above the weights in beam search: the tuple {x['tuple/v4.40']} the final KV under ≤ 4.41's loop,\n"
+        f"{x['tuple/v4.42']} under 4.42's; one cache object {one_object}\n{setup}"
+    )
+    return plot_timelines({name: reports[name] for name in BEAM_PANELS}, kv_bytes, title, multiples=(1, 2, 3))
