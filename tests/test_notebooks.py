@@ -398,7 +398,7 @@ def _overhead_rows(ratios: dict, vary: str = "prompt"):
 def test_the_overhead_figure_names_its_only_mover_and_leaves_one_point_designs_out():
     """Appendix A5's figures: where one design moves with the size and the others hold, the title names that one
     with its two ends; a design measured at one point of the series is not drawn but named, with its ratio, by
-    `one_point_note`; a reference design is redrawn in today's panel only when asked."""
+    `one_point_note`; the mover is then the title's one message."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -413,23 +413,19 @@ def test_the_overhead_figure_names_its_only_mover_and_leaves_one_point_designs_o
             "list / v5": {100: 1.05},
         }
     )
-    fig = overhead_figure(table, "prompt", reference="dynamic / v4.42")
+    fig = overhead_figure(table, "prompt")
     title = fig.texts[0].get_text()
-    assert title.startswith(
+    assert title.split("\n")[0] == (
         "Peak above the weights ÷ final KV: only prealloc / v5 moves with prompt length, 1.44× at 100 → 1.19× at 1600"
-        " (the others within 0.03×)\n"
+        " (the others within 0.03×)"
     ), title
+    assert "at prompt length 1600" not in title  # no second message: the levels at the largest size
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert not any("list" in label for label in labels)
-    assert labels[-1] == "dynamic / v4.42 (left panel), for comparison"
     assert one_point_note(table, "prompt") == (
         "Measured at one point of the series only, so not drawn: list / v5 1.05× at prompt length 100"
     )
     assert one_point_note(table[table["cache"] != "list"], "prompt") == ""
-    plain = [t.get_text() for t in overhead_figure(table, "prompt").legends[0].get_texts()]
-    assert plain == labels[:-1]
-    with pytest.raises(ValueError, match="not a design of the left panel"):
-        overhead_figure(table, "prompt", reference="dynamic / v5")
 
 
 def test_the_overhead_title_does_not_name_one_mover_where_several_move():

@@ -40,8 +40,9 @@ def overhead_message(rows: pd.DataFrame, vary: str) -> str:
         rest = max((move for design, move in moved.items() if design != most), default=0)
         (a, b), (x, y) = ends[most][vary], ends[most]["measured_x"]
         span = f"{x:.2f}× at {a} → {y:.2f}× at {b}"
-        if rest < GROUP_GAP:  # the others hold one level: the mover is the series' one message
-            trend = f"{ratio}: only {most} moves with {axis}, {span} (the others within {rest:.2f}×)\n"
+        if rest < GROUP_GAP:  # the others hold one level: the mover is the series' one message, the title's alone
+            others = f"(the others within {rest:.2f}×)"
+            return f"Peak above the weights ÷ final KV: only {most} moves with {axis}, {span} {others}"
         else:
             trend = f"{ratio} rises for some designs and falls for others with {axis}; most: {most}, {span}\n"
     top = rows[vary].max()
@@ -99,19 +100,16 @@ def one_point_note(df: pd.DataFrame, vary: str = "new") -> str:
     return f"Measured at one point of the series only, so not drawn: {named}"
 
 
-def overhead_figure(df: pd.DataFrame, vary: str = "new", reference: str | None = None):
+def overhead_figure(df: pd.DataFrame, vary: str = "new"):
     """Peak above the weights ÷ final KV against one size, in two panels so that no design hides another: the
     PR's comparison (the loops of v4.40 and v4.42: the tuple cache on 2x, one cache object near 1x, y from zero)
     and today's loop with every design (v5: all near 1x, the y axis zoomed so that they separate). Measured:
     markers on a line; kvlab.theory: a thin black dash over each. Each design keeps its colour and marker in every
-    figure; designs measured at a single point are left out (`one_point_note` names them). `reference`: a design
-    of the left panel drawn again in the right one, a faint line without markers, to set today's designs against
-    it. The title: `overhead_message`, then the sizes held."""
+    figure; designs measured at a single point are left out (`one_point_note` names them). The title:
+    `overhead_message`, then the sizes held."""
     rows, _ = _ratios(df, vary)
     if rows.empty:
         raise ValueError(f"overhead_figure: no design measured at two or more {AXIS_NAMES[vary]}")
-    if reference is not None and reference not in set(rows.loc[rows["loop"] != "v5", "design"]):
-        raise ValueError(f"overhead_figure: reference {reference!r} is not a design of the left panel's lines")
     several = rows["preset"].nunique() > 1
     panels = [
         ("before and after the PR (loops v4.40, v4.42)", rows[rows["loop"] != "v5"]),
@@ -137,31 +135,18 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new", reference: str | None =
             )
             if line["theory_x"].notna().all():
                 ax.plot(line[vary], line["theory_x"], "--", color="black", linewidth=0.8, zorder=4)
-        ax.plot([], [], "--", color="black", linewidth=0.8, label="kvlab.theory")
+        ax.plot([], [], "--", color="black", linewidth=0.8, label="kvlab.theory (predicted)")
         for multiple in (1, 2):
             ax.axhline(multiple, color="grey", linestyle=":", linewidth=1.2, zorder=1)
         if part["loop"].eq("v5").all():
             shown = part[["measured_x", "theory_x"]]
-            if reference is not None:
-                again = rows[rows["design"] == reference]
-                ax.plot(
-                    again[vary],
-                    again["measured_x"],
-                    "-",
-                    color=colours[reference],
-                    linewidth=4,
-                    alpha=0.3,
-                    zorder=0,
-                    label=f"{reference} (left panel), for comparison",
-                )
-                shown = pd.concat([shown, again[["measured_x"]]])
             low, high = shown.min().min(), shown.max().max()
             ax.set_ylim(min(0.98, low - 0.01), high + 0.25 * (high - min(0.98, low)) + 0.01)
         else:
             ax.set_ylim(0, max(2.2, part["measured_x"].max() * 1.08))
         ax.set(xlim=(0, None), xlabel=AXIS_NAMES[vary], title=name)
     for ax in axes[0]:  # every panel: its y range differs from the other's
-        ax.set_ylabel("peak above the weights ÷ final KV (x)")
+        ax.set_ylabel("peak above the weights ÷ final KV (×)")
     figure_legend(fig, axes[0], ncol=3)
     first = rows.iloc[0]
     fig.suptitle(
