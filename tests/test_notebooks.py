@@ -410,18 +410,22 @@ def test_the_overhead_figure_names_its_only_mover_and_leaves_one_point_designs_o
             "dynamic / v4.42": {100: 1.36, 1600: 1.38},
             "prealloc / v5": {100: 1.44, 1600: 1.19},
             "dynamic / v5": {100: 1.17, 1600: 1.19},
+            "static / v5": {100: 1.18, 1600: 1.19},
             "list / v5": {100: 1.05},
         }
     )
     fig = overhead_figure(table, "prompt")
     title = fig.texts[0].get_text()
     assert title.split("\n")[0] == (
-        "Peak above the weights ÷ final KV: only prealloc / v5 moves with prompt length, 1.44× at 100 → 1.19× at 1600"
+        "Only prealloc / v5's peak ÷ final KV moves with prompt length: 1.44× at 100 → 1.19× at 1600"
         " (the others within 0.03×)"
     ), title
     assert "at prompt length 1600" not in title  # no second message: the levels at the largest size
     labels = [t.get_text() for t in fig.legends[0].get_texts()]
     assert not any("list" in label for label in labels)
+    assert "static / v5 (on dynamic / v5's line)" in labels  # within 0.01x at every point: one hides the other
+    assert "prealloc / v5" in labels  # 0.25x from the others at 100 tokens: a line of its own
+    assert all(ax.get_xscale() == "log" for ax in fig.axes)  # 100 to 1600: a factor of 16
     assert one_point_note(table, "prompt") == (
         "Measured at one point of the series only, so not drawn: list / v5 1.05× at prompt length 100"
     )

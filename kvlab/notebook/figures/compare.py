@@ -14,6 +14,8 @@ from .analysis import AXIS_NAMES, figure_legend, held_sizes, measured, series
 DESIGN_LABELS = [f"{cache} / {loop}" for cache, loop in schema.DESIGNS]  # "cache / loop", in DESIGNS order
 MARKERS = "osD^vPX*"
 GROUP_GAP = 0.1  # ratios at the largest size closer than this read as one level in the title
+SAME_LINE = 0.015  # two lines closer than this at every point are drawn on each other: the legend says so
+LOG_SPAN = 8  # a size that spans this factor or more is drawn on a log axis, its points spread evenly
 
 
 def overhead_message(rows: pd.DataFrame, vary: str) -> str:
@@ -41,8 +43,7 @@ def overhead_message(rows: pd.DataFrame, vary: str) -> str:
         (a, b), (x, y) = ends[most][vary], ends[most]["measured_x"]
         span = f"{x:.2f}× at {a} → {y:.2f}× at {b}"
         if rest < GROUP_GAP:  # the others hold one level: the mover is the series' one message, the title's alone
-            others = f"(the others within {rest:.2f}×)"
-            return f"Peak above the weights ÷ final KV: only {most} moves with {axis}, {span} {others}"
+            return f"Only {most}'s peak ÷ final KV moves with {axis}: {span} (the others within {rest:.2f}×)"
         else:
             trend = f"{ratio} rises for some designs and falls for others with {axis}; most: {most}, {span}\n"
     top = rows[vary].max()
@@ -118,10 +119,14 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new"):
     panels = [(name, part) for name, part in panels if not part.empty]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.9 * len(panels), 4.6), squeeze=False)
     designs = DESIGN_LABELS + sorted(set(rows["design"]) - set(DESIGN_LABELS))
-    colours = dict(zip(designs, sns.color_palette("tab10", len(designs))))
+    # tab10 without its grey, which reads as kvlab.theory's black dashes and the grey reference lines
+    palette = [colour for i, colour in enumerate(sns.color_palette("tab10")) if i != 7]
+    colours = {design: palette[i % len(palette)] for i, design in enumerate(designs)}
     for ax, (name, part) in zip(axes[0], panels):
+        drawn = {}
         # Hollow markers that shrink from line to line: where designs coincide, each stays visible inside the last.
         for i, ((preset, design), line) in enumerate(part.groupby(["preset", "design"], sort=False)):
+            label = f"{design} ({preset})" if several else design
             ax.plot(
                 line[vary],
                 line["measured_x"],
@@ -131,11 +136,12 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new"):
                 fillstyle="none",
                 markeredgewidth=1.5,
                 color=colours[design],
-                label=f"{design} ({preset})" if several else design,
+                label=_on_line(label, line.set_index(vary)["measured_x"], drawn),
             )
             if line["theory_x"].notna().all():
                 ax.plot(line[vary], line["theory_x"], "--", color="black", linewidth=0.8, zorder=4)
         ax.plot([], [], "--", color="black", linewidth=0.8, label="kvlab.theory (predicted)")
+        ax.plot([], [], ":", color="grey", linewidth=1.2, label="1× and 2× the final KV")
         for multiple in (1, 2):
             ax.axhline(multiple, color="grey", linestyle=":", linewidth=1.2, zorder=1)
         if part["loop"].eq("v5").all():
@@ -144,7 +150,8 @@ def overhead_figure(df: pd.DataFrame, vary: str = "new"):
             ax.set_ylim(min(0.98, low - 0.01), high + 0.25 * (high - min(0.98, low)) + 0.01)
         else:
             ax.set_ylim(0, max(2.2, part["measured_x"].max() * 1.08))
-        ax.set(xlim=(0, None), xlabel=AXIS_NAMES[vary], title=name)
+        ax.set(xlabel=AXIS_NAMES[vary], title=name)
+        _size_axis(ax, rows[vary])
     for ax in axes[0]:  # every panel: its y range differs from the other's
         ax.set_ylabel("peak above the weights ÷ final KV (×)")
     figure_legend(fig, axes[0], ncol=3)
@@ -187,3 +194,29 @@ def compare_figure(df: pd.DataFrame):
     ax.legend(loc="lower right")
     fig.tight_layout()
     return fig
+
+
+def _on_line(label: str, line: pd.Series, drawn: dict) -> str:
+    """`label`, saying "on X's line" where an earlier line of the panel, X, is within SAME_LINE of it at every
+    point (one hides the other); `drawn` collects the panel's lines."""
+    other = next(
+        (
+            name
+            for name, earlier in drawn.items()
+            if earlier.index.equals(line.index) and (earlier - line).abs().max() < SAME_LINE
+        ),
+        None,
+    )
+    drawn[label] = line
+    return label if other is None else f"{label} (on {other}'s line)"
+
+
+def _size_axis(ax, sizes: pd.Series) -> None:
+    """The size axis: linear from 0, or, where the sizes span LOG_SPAN or more, logarithmic with a tick at each."""
+    values = sorted(set(sizes))
+    if values[0] > 0 and values[-1] / values[0] >= LOG_SPAN:
+        ax.set_xscale("log")
+        ax.set_xticks(values, [str(v) for v in values])
+        ax.minorticks_off()
+    else:
+        ax.set_xlim(0, None)
