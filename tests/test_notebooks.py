@@ -426,6 +426,10 @@ def test_the_overhead_figure_names_its_only_mover_and_leaves_one_point_designs_o
     assert "static / v5 (on dynamic / v5's line)" in labels  # within 0.01x at every point: one hides the other
     assert "prealloc / v5" in labels  # 0.25x from the others at 100 tokens: a line of its own
     assert all(ax.get_xscale() == "log" for ax in fig.axes)  # 100 to 1600: a factor of 16
+    today = overhead_figure(table, "prompt", today_only=True)
+    assert [ax.get_title() for ax in today.axes] == ["today's loop (v5), every design (y zoomed)"]
+    # the same mover; the others are today's designs alone, which move by 0.02x (tuple / v4.40: 0.03x)
+    assert today.texts[0].get_text().split("\n")[0] == title.split("\n")[0].replace("0.03×", "0.02×")
     assert one_point_note(table, "prompt") == (
         "Measured at one point of the series only, so not drawn: list / v5 1.05× at prompt length 100"
     )

@@ -101,14 +101,15 @@ def one_point_note(df: pd.DataFrame, vary: str = "new") -> str:
     return f"Measured at one point of the series only, so not drawn: {named}"
 
 
-def overhead_figure(df: pd.DataFrame, vary: str = "new"):
+def overhead_figure(df: pd.DataFrame, vary: str = "new", today_only: bool = False):
     """Peak above the weights ÷ final KV against one size, in two panels so that no design hides another: the
     PR's comparison (the loops of v4.40 and v4.42: the tuple cache on 2x, one cache object near 1x, y from zero)
     and today's loop with every design (v5: all near 1x, the y axis zoomed so that they separate). Measured:
     markers on a line; kvlab.theory: a thin black dash over each. Each design keeps its colour and marker in every
-    figure; designs measured at a single point are left out (`one_point_note` names them). The title:
-    `overhead_message`, then the sizes held."""
+    figure; designs measured at a single point are left out (`one_point_note` names them). `today_only`: the
+    v5 panel alone. The title: `overhead_message`, then the sizes held."""
     rows, _ = _ratios(df, vary)
+    rows = rows[rows["loop"] == "v5"] if today_only else rows
     if rows.empty:
         raise ValueError(f"overhead_figure: no design measured at two or more {AXIS_NAMES[vary]}")
     several = rows["preset"].nunique() > 1
