@@ -15,7 +15,7 @@ import torch
 
 from kvlab.graphs import VARIANTS, time_variants
 from kvlab.graphs.conversion import conversion_table
-from kvlab.models import build_model
+from kvlab.planner.sources import build_model  # any preset (the catalogue's too), a config.json or a hub id
 
 
 def main():

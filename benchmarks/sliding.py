@@ -20,7 +20,8 @@ import torch
 from kvlab.caches import cache_bytes
 from kvlab.loops import generate
 from kvlab.meter import MemoryMeter
-from kvlab.models import build_model, resolve_device
+from kvlab.models import resolve_device
+from kvlab.planner.sources import build_model  # any preset (the catalogue's too), a config.json or a hub id
 from kvlab.timing import interleaved
 
 CONTENDERS = ("dynamic", "prealloc")

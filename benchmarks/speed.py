@@ -24,7 +24,8 @@ import pandas as pd
 import torch
 
 from kvlab.lab.store import append_run
-from kvlab.models import build_model, resolve_device
+from kvlab.models import resolve_device
+from kvlab.planner.sources import build_model  # any preset (the catalogue's too), a config.json or a hub id
 from kvlab.timing import CONTENDERS, speed_runs, spread
 
 

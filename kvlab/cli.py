@@ -13,6 +13,7 @@ import signal
 import sys
 from pathlib import Path
 
+from . import catalogue  # noqa: F401  (the decoders beyond the lessons', registered on import: --help names them)
 from .presets import DECODERS
 from .releases import ReferenceInstallError
 from .schema import CACHES, DEFAULTS, EXPLAIN_DEFAULTS, KINDS, LOOPS, STRATEGIES

@@ -24,11 +24,32 @@ class NothingMeasured(RuntimeError):
     """Every point of the comparison failed: no table, no figure (the failures are printed, one line each)."""
 
 
-def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
-    # The notebooks extra (papermill, the plots' matplotlib and seaborn) before the sweep, not after its minutes.
+def analyse(results_csv: Path) -> Path:
+    """Notebook 03 executed on a results table, into the table's folder; the executed copy's path."""
     import papermill
 
     from .lab.kernel import QUIET_KERNEL, kernel_name  # `kvlab` where make registered it, else python3
+
+    analysis = results_csv.parent / ANALYSIS_NOTEBOOK.name
+    papermill.execute_notebook(
+        str(ANALYSIS_NOTEBOOK),
+        str(analysis),
+        kernel_name=kernel_name(),
+        progress_bar=False,
+        # the points were predicted as they were measured, on any device (kvlab.planner.theory): nothing to refresh
+        parameters={"results_csv": str(results_csv.resolve()), "recompute_predictions": False},
+        cwd=str(PROJECT_DIR),
+        # The analysis builds each point's config, and the lesson's notebook registers the lessons' presets alone:
+        # its kernel imports the catalogue (cuda-default's TinyLlama, any --preset the sweep took) before it runs.
+        extra_arguments=[*QUIET_KERNEL, "--IPKernelApp.exec_lines=import kvlab.catalogue"],
+    )
+    return analysis
+
+
+def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
+    # The notebooks extra (papermill, the plots' matplotlib and seaborn) before the sweep, not after its minutes.
+    import papermill  # noqa: F401
+
     from .notebook.figures.compare import compare_figure, overhead_figure
 
     device = resolve_device(device)
@@ -52,17 +73,7 @@ def run_compare(device="auto", preset=None, out=None, **sizes) -> pd.DataFrame:
         figures[out / "overhead_vs_new_tokens.png"] = overhead_figure(results, "new")
     for path, figure in figures.items():
         figure.savefig(path, dpi=120, bbox_inches="tight")
-    analysis = out / "03_analysis.ipynb"
-    papermill.execute_notebook(
-        str(ANALYSIS_NOTEBOOK),
-        str(analysis),
-        kernel_name=kernel_name(),
-        progress_bar=False,
-        # the points were predicted as they were measured, on any device (kvlab.planner.theory): nothing to refresh
-        parameters={"results_csv": str((out / "results.csv").resolve()), "recompute_predictions": False},
-        cwd=str(PROJECT_DIR),
-        extra_arguments=QUIET_KERNEL,
-    )
+    analysis = analyse(out / "results.csv")
 
     first = longest.iloc[0]
     print(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 
-from .presets import DECODERS, ENCODER_DECODERS, PRESETS
+from .presets import CATALOGUES, DECODERS, ENCODER_DECODERS, PRESETS
 
 
 def parse_value(text: str):
@@ -137,8 +137,9 @@ def finish_config(config_class: type, values: dict, overrides, name: str):
 
 
 def choices() -> str:
-    """The presets by kind (kvlab.planner.sources adds a config.json and a hub id)."""
-    return f"{', '.join(DECODERS)} (decoders), {', '.join(ENCODER_DECODERS)} (encoder-decoders)"
+    """The registered presets by kind (kvlab.planner.sources adds a config.json and a hub id)."""
+    kinds = ((DECODERS, "decoders"), (ENCODER_DECODERS, "encoder-decoders"))
+    return ", ".join(f"{', '.join(names)} ({kind})" for names, kind in kinds if names)
 
 
 def config_class(model_type: str) -> type:
@@ -152,7 +153,7 @@ def build_config(preset: str, overrides=None):
     """The preset's config with overrides applied; raises before anything is allocated."""
     if preset not in PRESETS:
         raise ValueError(
-            f"unknown preset {preset!r}; choose one of: {choices()} (a config.json or a hub id: "
+            f"unknown preset {preset!r}; choose one of: {choices()} ({CATALOGUES}; a config.json or a hub id: "
             "kvlab.planner.sources.load_config)"
         )
     model_type, values = PRESETS[preset]

@@ -117,17 +117,17 @@ def build_model(preset: str = "toy", overrides=None, device: str = "cpu", dtype:
 
 
 def random_model(config, device: str, dtype: torch.dtype, seed: int, preset: str | None = None):
-    """The model of `config` with weights drawn from `seed`, on `device`; a preset's own touches: the
-    encoder-decoders' scaling (kvlab.presets.vary_decoder), the real weights of kvlab.weights.REAL_WEIGHTS."""
-    from .presets import ENCODER_DECODERS, vary_decoder
+    """The model of `config` with weights drawn from `seed`, on `device`; a preset's own touches: its scaling of the
+    drawn weights (kvlab.presets.AFTER_INIT: the encoder-decoders'), the real weights of kvlab.weights.REAL_WEIGHTS."""
+    from .presets import AFTER_INIT
     from .weights import REAL_WEIGHTS, load_state, state_file
 
     config._attn_implementation = attention_of(config)
     torch.manual_seed(seed)
     with torch.device(device):
         model = instantiate(config, dtype)
-    if preset in ENCODER_DECODERS:
-        vary_decoder(model)
+    if preset in AFTER_INIT:
+        AFTER_INIT[preset](model)
     if preset in REAL_WEIGHTS:
         load_state(model, state_file(preset), dtype)
     return ready_to_generate(model)

@@ -10,9 +10,10 @@ from transformers import (
 )
 
 from kvlab.configs import build_config
+from kvlab.encdec.presets import vary_decoder
 from kvlab.models import build_model
 from kvlab.planner.sources import is_hub_id, load_config
-from kvlab.presets import ENCODER_DECODERS, vary_decoder
+from kvlab.presets import ENCODER_DECODERS
 
 SMALL = {
     "t5-small": (
@@ -43,7 +44,7 @@ def test_build_model_builds_each_preset_with_its_own_class(preset):
     torch.manual_seed(0)
     direct = model_class(config)
     if preset in ENCODER_DECODERS:
-        vary_decoder(direct)  # the presets' documented post-init scaling (kvlab.models)
+        vary_decoder(direct)  # the presets' documented post-init scaling (kvlab.encdec.presets)
     assert model.state_dict().keys() == direct.state_dict().keys()
     assert all(torch.equal(tensor, direct.state_dict()[name]) for name, tensor in model.state_dict().items())
     assert model.generation_config.eos_token_id is None  # decoding never stops early

@@ -140,7 +140,7 @@ def test_bad_memory_size():
 
 def test_a_hub_id_without_network_or_local_copy(monkeypatch):
     monkeypatch.setattr("kvlab.planner.sources.hub_reachable", lambda: False)
-    with pytest.raises(ValueError, match="cannot be downloaded here .*toy, tinyllama-1.1b"):
+    with pytest.raises(ValueError, match="cannot be downloaded here .*mistral-7b-twin, tinyllama-1.1b"):
         load_config("nobody/no-such-model")
 
 

@@ -51,7 +51,7 @@ def test_presets_keep_the_public_layouts_and_their_twins_scale_the_widths():
         full, twin = build_config(name), build_config(f"{name}-twin")
         assert kv_bytes_per_token(twin, 1, "bfloat16") * 32 == kv_bytes_per_token(full, 1, "bfloat16")
         assert sliding_windows(twin) == sliding_windows(full)
-    assert build_config("gpt-oss-20b-twin").hidden_size == 96  # grouped_mm's 16-byte rows (see TWIN_EXCEPTIONS)
+    assert build_config("gpt-oss-20b-twin").hidden_size == 96  # grouped_mm's 16-byte rows (kvlab.catalogue)
 
 
 @pytest.mark.parametrize("preset", ["mistral-7b-v0.1-twin", "gemma-3-4b-twin", "gpt-oss-20b-twin", "qwen3-8b-twin"])

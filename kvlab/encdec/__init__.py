@@ -1,5 +1,7 @@
 """Encoder–decoder models: requests, and `generate`, greedy decoding written out so that a cache can be handed
-in (its tokens equal `model.generate()`'s). Presets in kvlab.models; docs/encoder-decoder.md."""
+in (its tokens equal `model.generate()`'s); docs/encoder-decoder.md. The presets are kvlab.encdec.presets, registered
+on import. transformers is imported where it is used: the planner imports this package for the presets' names, and a
+prediction from a preset never imports transformers (kvlab.planner.plain)."""
 
 from __future__ import annotations
 
@@ -7,10 +9,9 @@ import time
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, EncoderDecoderCache, GenerationMixin
-from transformers.modeling_outputs import BaseModelOutput
 
 from ..compat import cache_argument
+from . import presets as presets
 
 
 def decoder_shape(config) -> tuple[int, int, int]:
@@ -80,6 +81,9 @@ def encode(model, request: Request) -> tuple[torch.Tensor, torch.Tensor | None]:
 def generate_reference(model, request: Request, new_tokens: int, whole_output: bool = False, **generate_kwargs):
     """transformers' own `generate()`, greedy, `new_tokens` steps (`whole_output`: its output with the cache).
     Whisper: the shared `GenerationMixin.generate`, without Whisper's language / timestamp logic."""
+    from transformers import GenerationMixin
+    from transformers.modeling_outputs import BaseModelOutput
+
     options = dict(
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
@@ -104,6 +108,8 @@ def generate(model, request: Request, new_tokens: int, cache=None, *, step=None,
     decoder steps through one `EncoderDecoderCache` (default: two `DynamicCache`s, as `generate()`), or through
     what `cache.for_request(batch, hidden, mask, new_tokens)` hands out (`ReusableStaticCache`). `step`: the
     forward after the first step, which fills the cross-attention cache eagerly (e.g. a compiled `decoder_step`)."""
+    from transformers import DynamicCache, EncoderDecoderCache
+
     if new_tokens < 1:
         raise ValueError(f"new_tokens must be a positive integer, got {new_tokens}")
     started = time.perf_counter()

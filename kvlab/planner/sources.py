@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from urllib.parse import urlparse
 
+# The presets beyond the lessons', registered on import: every user of the planner takes every name.
+from .. import catalogue, encdec  # noqa: F401
 from ..configs import build_config, choices, finish_config, one_line
 from ..models import check_device, model_class, parse_dtype, random_model, ready_to_generate
 from ..presets import DECODERS, PRESETS

@@ -69,7 +69,7 @@ def test_measure_prints_one_flat_json_record():
 
 
 BAD_INPUTS = [
-    (["--preset", "gpt5"], "toy, tinyllama-1.1b"),
+    (["--preset", "gpt5"], "mistral-7b-twin, tinyllama-1.1b"),
     (["--cache", "paged"], "tuple, dynamic, list, static, prealloc"),
     (["--loop", "v4.41"], "v4.40, v4.42, v5"),
     (["--strategy", "topk"], "greedy, sample, beam"),
@@ -86,7 +86,7 @@ BAD_INPUTS = [
     (["--override", "num_attention_heads=0"], "num_attention_heads must be a positive integer"),
     (["--override", "num_key_value_heads=3"], "must divide num_attention_heads=4; choose one of: 1, 2, 4"),
     (["--override", "hidden_size=250"], "choose a multiple of 4 or set head_dim"),
-    (["--preset", "nobody/no-such-model"], "toy, tinyllama-1.1b"),  # not in the local cache, no network here
+    (["--preset", "nobody/no-such-model"], "mistral-7b-twin, tinyllama-1.1b"),  # not cached locally, no network here
 ]
 
 
