@@ -14,8 +14,9 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .. import theory
-from ..caches import KVCache, ListLayer, PreallocLayer, TupleCache, WindowLayer, forward, make_cache
+from ..caches import KVCache, TupleCache, forward, make_cache
 from ..decoding import decoding
+from ..designs import ListLayer, PreallocLayer, WindowLayer
 from ..loops import generate
 from ..meter import MemoryMeter
 from ..models import final_kv_bytes
