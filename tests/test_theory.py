@@ -61,7 +61,7 @@ def test_a_query_wider_than_the_hidden_size_peaks_in_its_rotary_embedding(design
     record = run_point(preset="toy", overrides=wide, timing=False, **point)
     assert abs(record["prediction_error"]) <= GREEDY_TOLERANCE, record["prediction_error"]
     if design[1] == "v5":  # v4.x's loops peak later, on the logits they keep
-        assert theory.breakdown(build_config("toy", wide.split(",")), **point)["peak_at"] == "step 0 (rotary)"
+        assert planned.breakdown(build_config("toy", wide.split(",")), **point)["peak_at"] == "step 0 (rotary)"
 
 
 def test_tuple_holds_two_caches_and_one_object_one(cache_dominated, toy):
