@@ -17,6 +17,7 @@ import statistics
 
 import torch
 
+import kvlab.designs  # noqa: F401 (registers kvlab's own designs, list and prealloc, with make_cache)
 from kvlab.caches import cache_bytes
 from kvlab.loops import generate
 from kvlab.meter import MemoryMeter

@@ -4,8 +4,9 @@
 
     print(predict("llama2-7b", batch=8, prompt=300, new=500, dtype="bfloat16", memory="80GiB"))
 
-Read in this order: caches (the designs), loops (three releases' generate()), meter (live bytes, and
-profiler: its independent check), theory (the peak, term by term), models and presets (twins of real models).
+Read in this order: caches (transformers' designs; kvlab's own: designs), loops (three releases' generate()),
+meter (live bytes, and profiler: its independent check), theory (the peak, term by term), models and presets (twins
+of real models).
 The README's "Using kvlab" runs all five names.
 """
 
@@ -21,6 +22,8 @@ _PUBLIC = {
     "predict": "planner.plan",
 }
 __all__ = list(_PUBLIC)
+# The public make_cache and generate build every design: kvlab.designs registers kvlab's own (list, prealloc).
+_WITH_OWN_DESIGNS = ("make_cache", "generate")
 
 
 def __getattr__(name):
@@ -28,4 +31,6 @@ def __getattr__(name):
         raise AttributeError(f"module 'kvlab' has no attribute {name!r}")
     import importlib
 
+    if name in _WITH_OWN_DESIGNS:
+        importlib.import_module("kvlab.designs")
     return getattr(importlib.import_module(f"kvlab.{_PUBLIC[name]}"), name)

@@ -317,6 +317,7 @@ def explain_point(
     model = build_model(preset, overrides, dtype=dtype, seed=seed)
     ids = random_prompt(config.vocab_size, batch, prompt, seed)
     if generate_of == "kvlab":
+        from . import designs  # noqa: F401 (registers kvlab's own designs, list and prealloc, with make_cache)
         from .loops import generate
 
         return explain(lambda: generate(model, ids, new, cache=cache, loop=loop), model=model, step=step)

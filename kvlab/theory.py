@@ -10,9 +10,10 @@ How it reads: `peak_phases` walks a `Run` (what the point fixes) step by step; `
 `Step` (what the cache holds around it); each phase is a function of the two (`_rotary_phase` ...
 `_next_token_phase`), and what lives through the whole step is added to each (`held_through_the_step`,
 `_previous_locals`). `breakdown` is the peak's terms for printing. This is the lesson's walk: greedy decoding in
-one generate() call, on the CPU and meta. kvlab.planner.theory extends it through the `Run`'s rules (its phases,
-what lives through a step, the mask, 5.x's sliding layers, the GPU's SDPA kernel) to beams, sampling, restarts,
-5.x's sliding layers, GPT-OSS, a CUDA GPU and transformers' exported program.
+one generate() call of transformers' own designs (tuple, dynamic, static), on the CPU and meta.
+kvlab.planner.theory extends it through the `Run`'s rules (its phases, what lives through a step, the mask, what
+attention sits on, 5.x's sliding layers, the GPU's SDPA kernel) and its `CacheWalk` to kvlab's own designs (list,
+prealloc), beams, sampling, restarts, 5.x's sliding layers, GPT-OSS, a CUDA GPU and transformers' exported program.
 
 Units: t = bytes of one layer's keys (or values) for one token = rows x kv_heads x head_dim x dtype;
 one token of the whole cache is 2 x layers x t.
@@ -20,7 +21,6 @@ one token of the whole cache is 2 x layers x t.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 from .compat import generate_drops_ones_mask
@@ -31,7 +31,6 @@ from .counts import (
     head_dim,
     kv_bytes_per_token,
     sliding_windows,
-    window_tokens,
 )
 from .schema import DEFAULTS, LOOPS, POINT_KEYS, Release
 
@@ -43,6 +42,9 @@ FP32 = 4
 # attention with sinks and its grouped_mm experts: kvlab.planner.theory); for any other model_type no prediction.
 MODELED = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", "gpt_oss")
 EAGER_ATTENTION = ("gpt_oss",)
+# The designs this walk follows: transformers' own (kvlab.caches). kvlab's own, list and prealloc (kvlab.designs):
+# kvlab.planner.theory.
+WALKED = ("tuple", "dynamic", "static")
 
 
 class Shape:
@@ -70,43 +72,9 @@ class Shape:
         return self.token * length
 
 
-class Buffers:
-    """Token slots of each layer's buffers under kvlab's `prealloc` (kvlab.caches). A full layer (`PreallocLayer`)
-    grows in blocks; a sliding layer of window W (`WindowLayer`) holds W - 1 + block_tokens slots from its first
-    update on: a prompt longer than that is read as it came and only its last W - 1 tokens are copied in, and when
-    the buffer is full the kept window (at most W - 1 tokens) moves to the front through a clone."""
-
-    def __init__(self, sliding: list, block_tokens: int):
-        self.sliding, self.block = sliding, block_tokens
-        self.storage = [0] * len(sliding)  # slots of each layer's keys (= values) buffer now
-        self.start = [0] * len(sliding)  # a sliding layer's kept tokens: buffer[start:end]
-        self.end = [0] * len(sliding)
-
-    def update(self, fed: int, before: int) -> int:
-        """Write `fed` tokens after `before`; returns the largest transient of one layer, in tokens: an old values
-        buffer while it grows, or the clone of a window as it moves."""
-        transient = 0
-        for i, window in enumerate(self.sliding):
-            if window is None:
-                grown = math.ceil((before + fed) / self.block) * self.block
-                if before > 0 and grown > self.storage[i]:
-                    transient = max(transient, self.storage[i])
-                self.storage[i] = max(self.storage[i], grown)
-                continue
-            capacity = self.storage[i] = window - 1 + self.block
-            start, end = self.start[i], self.end[i]
-            if end + fed > capacity and start > 0:
-                transient, start, end = max(transient, end - start), 0, end - start
-            if end + fed <= capacity:
-                end += fed
-            else:  # more than the buffer holds: only the last W - 1 tokens are copied in
-                start, end = 0, min(window - 1, end - start + fed)
-            self.start[i], self.end[i] = max(start, end - (window - 1)), end
-        return transient
-
-
 class Run:
-    """What a point fixes for all its steps: the sizes, the release's loop, the design and the sliding windows."""
+    """What a point fixes for all its steps: the sizes, the release's loop, the design and the sliding windows (the
+    options of kvlab's own designs, list and prealloc: kvlab.planner.theory's)."""
 
     def __init__(
         self,
@@ -120,8 +88,6 @@ class Run:
         prompt: int,
         new: int,
         restart_new: int,
-        chunk_limit: int,
-        block_tokens: int,
         device: str = "cpu",
         threads: int | None = None,
     ):
@@ -129,18 +95,19 @@ class Run:
         self.threads = threads  # a CPU's torch threads (flash's scratch)
         # The walk's rules, which kvlab.planner.theory extends: a step's phases (run, walk, step) -> {phase: terms},
         # what lives through the step (run, step), the previous step's locals (run, step, phase), the mask a forward
-        # builds (run, fed, seen, full_seen), 5.x's sliding layers (a class like its Layers; none here) and what
-        # SDPA allocates inside on a GPU (run, step, masked, grouped).
-        self.phases, self.held, self.previous, self.mask = (
+        # builds (run, fed, seen, full_seen), what the last layer's attention sits on (run, step), 5.x's sliding
+        # layers (a class like its Layers; none here) and what SDPA allocates inside on a GPU (run, step, masked,
+        # grouped).
+        self.phases, self.held, self.previous, self.mask, self.inputs = (
             _phases,
             held_through_the_step,
             _previous_locals,
             attention_mask,
+            attention_inputs,
         )
         self.sliding_layers = self.gpu_kernel = None
         self.cache, self.strategy, self.runtime, self.restart_from = cache, strategy, runtime, restart_from
         self.prompt, self.new, self.restart_new = prompt, new, restart_new
-        self.chunk_limit, self.block_tokens = chunk_limit, block_tokens
         self.tuple_cache, self.keeps_outputs = cache == "tuple", release.keeps_previous_outputs
         self.max_len = prompt + new + restart_new
         self.static_len = self.max_len - 1  # as generate() sizes it: the last new token never enters the cache
@@ -173,9 +140,6 @@ class Step:
     old_tuple: int  # bytes of the caller's old tuple, referenced while the new one grows (tuple, convert)
     old_last: int  # tokens of the last layer's values storage before its cat
     seen: int  # keys a sliding layer attends to (every key on a full-attention model)
-    transient: int  # prealloc: tokens of one layer's buffer copied aside during the update
-    chunks: int  # list: chunks per layer after the update
-    consolidated: bool  # list: this update joined the chunks into one
     mask: dict  # the attention mask's term, if the forward builds one (alive until the decoder stack returns)
     keys: int  # keys the last layer attends to
     last_growth: int  # tokens the last layer's storage grows by in its update (after its rotary embedding)
@@ -183,8 +147,8 @@ class Step:
 
 class CacheWalk:
     """The design's storage, forward by forward: 5.x's dynamic layers on a sliding config (`Run.sliding_layers`,
-    kvlab.planner.theory's), prealloc's buffers (`Buffers`), the list's chunk count; the other designs follow from
-    the cache length."""
+    kvlab.planner.theory's); the other designs follow from the cache length (kvlab's own, list and prealloc:
+    kvlab.planner.theory's `DesignWalk`)."""
 
     def __init__(self, run: Run):
         self.run = run
@@ -192,8 +156,6 @@ class CacheWalk:
         release, layers = run.release, run.s.layers
         self.sliding = list(run.windows) if run.cache == "dynamic" and release.major == 5 else [None] * layers
         self.layers = run.sliding_layers(self.sliding) if any(self.sliding) else None
-        self.buffers = Buffers(run.windows, run.block_tokens) if run.cache == "prealloc" else None
-        self.chunks = 0
         self.held = self.fed = 0  # bytes held and tokens fed as of the last step
 
     def steps(self):
@@ -204,31 +166,7 @@ class CacheWalk:
 
     def _advance(self, index: int, call: int, fed: int, before: int, after: int) -> Step:
         r, s = self.run, self.run.s
-        held_after = _held(s, r.cache, after, r.static_len)
-        if r.static_windows:
-            held_after = 2 * s.t * sum(r.static_windows)
-        old_last, seen = before, after  # tokens of the last layer's values storage before its cat; keys attended
-        last_growth = fed
-        if self.layers is not None:
-            old_last = self.layers.storage[-1]
-            self.layers.update(fed)
-            held_after = 2 * s.t * sum(self.layers.storage)
-            seen = self.layers.storage[self.sliding.index(r.window)] if r.window else after
-            last_growth = self.layers.storage[-1] - old_last
-        elif r.cache == "static":  # each layer allocates its whole buffers at its first update
-            last_growth = (r.static_windows or [r.static_len])[-1] if index == 0 else 0
-        transient = 0
-        if self.buffers is not None:
-            last_slots = self.buffers.storage[-1]
-            transient = self.buffers.update(fed, before)
-            last_growth = self.buffers.storage[-1] - last_slots
-            held_after = 2 * s.t * sum(self.buffers.storage)
-            seen = window_tokens(r.window, after, fed)  # a sliding layer: its kept window + fed
-        consolidated = False
-        if r.cache == "list":
-            self.chunks = 1 if index == 0 else self.chunks + 1
-            if self.chunks >= r.chunk_limit:
-                self.chunks, consolidated = 1, True
+        held_after, old_last, seen, last_growth = self._storage(index, fed, before, after)
         full_seen = r.static_len if r.cache == "static" else after  # keys a full layer attends to
         step = Step(
             index,
@@ -243,9 +181,6 @@ class CacheWalk:
             old_tuple=s.kv(before) if r.tuple_cache or r.runtime == "convert" else 0,
             old_last=old_last,
             seen=seen,
-            transient=transient,
-            chunks=self.chunks,
-            consolidated=consolidated,
             mask=r.mask(r, fed, seen, full_seen),
             keys=seen if r.last_window else full_seen,
             last_growth=last_growth,
@@ -253,16 +188,32 @@ class CacheWalk:
         self.held, self.fed = held_after, fed
         return step
 
+    def _storage(self, index: int, fed: int, before: int, after: int) -> tuple:
+        """The cache updated by one forward: (bytes it holds after, tokens of the last layer's values storage before
+        its cat, keys a sliding layer attends to, tokens the last layer's storage grows by in its update)."""
+        r, s = self.run, self.run.s
+        held_after = _held(s, r.cache, after, r.static_len)
+        if r.static_windows:
+            held_after = 2 * s.t * sum(r.static_windows)
+        if self.layers is not None:
+            old_last = self.layers.storage[-1]
+            self.layers.update(fed)
+            seen = self.layers.storage[self.sliding.index(r.window)] if r.window else after
+            return 2 * s.t * sum(self.layers.storage), old_last, seen, self.layers.storage[-1] - old_last
+        if r.cache == "static":  # each layer allocates its whole buffers at its first update
+            return held_after, before, after, (r.static_windows or [r.static_len])[-1] if index == 0 else 0
+        return held_after, before, after, fed
+
     def held_tokens(self) -> list:
         """Tokens each layer's storage holds at the end (5.x sliding layers plateau at the window, the rest grow)."""
-        if self.layers or self.buffers:
-            return list((self.layers or self.buffers).storage)
+        if self.layers:
+            return list(self.layers.storage)
         r = self.run
         return r.static_windows or [r.static_len if r.cache == "static" else r.max_len - 1] * r.s.layers
 
 
 def _held(s: Shape, cache: str, length: int, max_len: int) -> int:
-    """Bytes the cache design holds for `length` tokens (prealloc's buffers: `Buffers`)."""
+    """Bytes the cache design holds for `length` tokens."""
     return s.kv(max_len if cache == "static" else length)
 
 
@@ -327,24 +278,15 @@ def _update_phase(r: Run, step: Step) -> dict:
     terms = {**_around_the_layer(step), "activations of one layer": _layer_activations(r.s, step.fed), **step.mask}
     if r.cache == "dynamic" and step.before > 0:
         terms["old values tensor during its cat"] = r.s.t * step.old_last
-    if step.consolidated:
-        terms["consolidation: old chunks during the cat"] = r.s.t * step.after
-    if step.transient:
-        terms["old values buffer during growth, or a window's clone as it moves"] = r.s.t * step.transient
     return terms
 
 
 def attention_inputs(r: Run, step: Step) -> dict:
     """What the last layer's attention sits on. The layer's new keys and values are dead once the cache returns its
-    own tensors, except where prealloc's window buffer is too short for the feed (attention reads them as they
-    came)."""
+    own tensors."""
     s, fed = r.s, step.fed
-    read_as_fed = r.cache == "prealloc" and r.last_window and fed > r.last_window - 1 + r.block_tokens
-    new_kv = 0 if read_as_fed else 2 * s.t * fed
-    terms = {**_around_the_layer(step), "activations of one layer": _layer_activations(s, fed) - new_kv, **step.mask}
-    if r.cache == "list" and step.chunks > 1:
-        terms["keys and values concatenated for attention"] = 2 * s.t * step.after
-    return terms
+    new_kv = 2 * s.t * fed
+    return {**_around_the_layer(step), "activations of one layer": _layer_activations(s, fed) - new_kv, **step.mask}
 
 
 def _attention_phase(r: Run, step: Step) -> dict:
@@ -352,7 +294,7 @@ def _attention_phase(r: Run, step: Step) -> dict:
     and values where transformers does not use SDPA's grouped-query path: always in <= 4.42; in 5.x when the layer
     gets a mask and more than one query (a prompt past the window)."""
     s, fed = r.s, step.fed
-    terms = attention_inputs(r, step)
+    terms = r.inputs(r, step)
     masked = bool(step.mask and fed > 1 and r.last_window)  # SDPA gets the mask (more than one query, sliding)
     copies = r.groups > 1 and (r.release.major == 4 or masked)
     terms["repeat_kv copies of one layer (SDPA without its grouped-query path)"] = (
@@ -525,6 +467,7 @@ def lesson_run(config, point: dict, threads: int | None) -> tuple[dict, Run]:
     p = design_point(point)
     r = run_of(config, p, threads)
     beyond = {
+        f"kvlab's own cache design {r.cache} (kvlab.designs)": r.cache not in WALKED,
         "a CUDA GPU": r.device == "cuda",
         "the exported program (runtime export)": p["runtime"] == "export",
         f"{r.strategy} decoding": r.strategy != "greedy",
@@ -560,8 +503,6 @@ def run_of(config, p: dict, threads: int | None) -> Run:
         prompt=p["prompt"],
         new=p["new"],
         restart_new=p["restart_new"],
-        chunk_limit=p["chunk_limit"],
-        block_tokens=p["block_tokens"],
         device=str(p["device"]).split(":")[0],  # cuda:1 -> cuda
         threads=threads,
     )

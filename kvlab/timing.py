@@ -33,6 +33,7 @@ def interleaved(
 def decode_seconds(model, prompt: torch.Tensor, new: int, contender: str) -> float:
     """Seconds to decode `new` tokens after `prompt` (its forward included, as generate() times it): a kvlab cache
     design under the v5 loop, or `transformers` for the model's own greedy generate()."""
+    from . import designs  # noqa: F401 (registers kvlab's own designs, list and prealloc, with make_cache)
     from .loops import generate
 
     if contender != "transformers":

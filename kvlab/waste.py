@@ -285,8 +285,9 @@ def _text(values: dict) -> str:
 
 
 def fix_prealloc(model, ids, point) -> int:
-    """kvlab's `prealloc` under its 5.x loop: written in place (on sliding layers kvlab.caches.WindowLayer: the last
+    """kvlab's `prealloc` under its 5.x loop: written in place (on sliding layers kvlab.designs.WindowLayer: the last
     window - 1 tokens in a buffer of window - 1 + 32 slots, nothing of the prompt's length kept)."""
+    from . import designs  # noqa: F401 (registers kvlab's own designs, list and prealloc, with make_cache)
     from .decoding import Beams
     from .loops import generate
 

@@ -8,17 +8,23 @@ random-weight toy model; where it calls `DynamicCache` methods, the reference is
 """
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import DynamicCache, set_seed
 
-from kvlab.caches import CatLayer, KVCache, ListLayer, PreallocLayer, TupleCache, WindowLayer, cache_bytes, make_cache
+from kvlab.caches import CatLayer, KVCache, TupleCache, cache_bytes, make_cache
 from kvlab.compat import cache_argument, cache_from_outputs
+from kvlab.designs import ListLayer, PreallocLayer, WindowLayer
 from kvlab.loops import cache_batch
 from kvlab.meter import MemoryMeter
 from kvlab.models import assert_varied, build_model
 
+ROOT = Path(__file__).resolve().parent.parent
 DESIGNS = ("dynamic", "list", "prealloc", "tuple")
 LAYER = {
     "dynamic": CatLayer,
@@ -422,3 +428,34 @@ def test_no_prompt_length_buffer_alive_after_the_prefill_but_dynamics_view(slidi
         # and each layer's window where 5.x keeps it as a 0-d int64, made with the cache before the meter started
         windows = [getattr(layer, "_sliding_window_tensor", None) for layer in cache.layers]
         assert sum(live) + sum(8 for window in windows if torch.is_tensor(window)) == cache_bytes(cache)
+
+
+# -- the registry: kvlab's own designs join make_cache when kvlab.designs is imported ------------------------------
+
+
+def test_kvlabs_own_designs_are_refused_in_one_line_until_their_module_is_imported():
+    """In a fresh process that imports only the lesson's modules, make_cache refuses list and prealloc in one line
+    that names the module to import; the public `kvlab.make_cache` imports it, and then both are built."""
+    code = (
+        "import sys\n"
+        "from kvlab.caches import make_cache\n"
+        "from kvlab.models import build_model\n"
+        "model = build_model('toy')\n"
+        "for name in ('list', 'prealloc'):\n"
+        "    try:\n"
+        "        make_cache(name, model)\n"
+        "    except ValueError as error:\n"
+        "        print(error)\n"
+        "print('kvlab.designs' in sys.modules)\n"
+        "import kvlab\n"
+        "print(*(type(kvlab.make_cache(name, model).layers[0]).__name__ for name in ('list', 'prealloc')))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}  # this checkout's kvlab
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines() == [
+        "the cache 'list' is one of kvlab's own designs: import kvlab.designs to register it",
+        "the cache 'prealloc' is one of kvlab's own designs: import kvlab.designs to register it",
+        "False",
+        "ListLayer PreallocLayer",
+    ]

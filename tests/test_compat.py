@@ -13,6 +13,7 @@ import torch
 import transformers
 from transformers.cache_utils import DynamicCache
 
+import kvlab.designs  # noqa: F401 (registers kvlab's own designs, list and prealloc, with make_cache)
 from kvlab.caches import CACHES, cache_length
 from kvlab.compat import cache_argument, cache_from_outputs
 from kvlab.decoding import decoding

@@ -11,8 +11,9 @@ import torch
 from test_architectures import RUN, SIZES
 from transformers import AutoConfig
 
-from kvlab.caches import CatLayer, KVCache, ListLayer, PreallocLayer, SlidingCatLayer, WindowLayer
+from kvlab.caches import CatLayer, KVCache, SlidingCatLayer
 from kvlab.decoding import decoding
+from kvlab.designs import ListLayer, PreallocLayer, WindowLayer
 from kvlab.lab.point import run_point
 from kvlab.loops import generate
 from kvlab.meter import MemoryMeter

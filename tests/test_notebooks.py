@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import ast
 import re
 import subprocess
 from pathlib import Path
@@ -375,8 +376,17 @@ def test_lessons_01_to_03_climb_through_the_lessons_floor_only():
     lessons = [path for path in NOTEBOOKS if path.name[:2] in ("01", "02", "03")]
     modules = closure.closure(set().union(*(closure.notebook_imports(path) for path in lessons)))
     assert "kvlab.loops" in modules and "kvlab.meter" in modules  # the walk sees through the lessons' imports
-    above = ("lab", "planner", "savers", "waste", "explain", "graphs", "encdec", "timing", "compare", "cli")
+    above = ("lab", "planner", "savers", "waste", "explain", "graphs", "encdec", "timing", "compare", "cli", "designs")
     assert sorted(m for m in modules if m.split(".")[1:2] and m.split(".")[1] in above) == []
+    # kvlab's own designs (list, prealloc) and their theory live above the lessons: no module they climb defines them
+    moved = {"ListLayer", "PreallocLayer", "WindowLayer", "Buffers", "DesignWalk"}
+    defined = {
+        (module, node.name)
+        for module in modules
+        for node in ast.walk(ast.parse(closure.module_file(module).read_text()))
+        if isinstance(node, ast.ClassDef) and node.name in moved
+    }
+    assert defined == set()
 
 
 def _overhead_rows(ratios: dict, vary: str = "prompt"):

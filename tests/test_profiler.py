@@ -12,6 +12,7 @@ import pytest
 import torch
 from transformers import AutoConfig
 
+import kvlab.designs  # noqa: F401 (registers kvlab's own designs, list and prealloc, with make_cache)
 from kvlab.caches import CACHES
 from kvlab.explain import explain, generate_call
 from kvlab.loops import LOOPS, generate

@@ -243,7 +243,7 @@ def test_kvlab_v5_dynamic_matches_the_real_5x_on_every_twin(preset, overrides, p
     )
 
 
-# kvlab's `prealloc` on a sliding layer (caches.WindowLayer): a buffer of W - 1 + block_tokens slots. Prompts: shorter
+# kvlab's `prealloc` on a sliding layer (designs.WindowLayer): a buffer of W - 1 + block_tokens slots. Prompts: shorter
 # than the window, between W - 1 and the buffer (the window moves to the front after a few steps), past the buffer.
 BLOCK = 32
 WINDOW_PROMPTS = (40, 80, 100)

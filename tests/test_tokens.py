@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+import kvlab.designs  # noqa: F401 (registers kvlab's own designs, list and prealloc, with make_cache)
 from kvlab.caches import CACHES, make_cache
 from kvlab.compat import cache_argument
 from kvlab.decoding import Beams, Sampling
@@ -123,7 +124,8 @@ def sliding_prompt(model):
 
 
 def test_make_cache_picks_the_sliding_layers_of_a_sliding_config(sliding_toy, toy):
-    from kvlab.caches import CatLayer, PreallocLayer, SlidingCatLayer, WindowLayer
+    from kvlab.caches import CatLayer, SlidingCatLayer
+    from kvlab.designs import PreallocLayer, WindowLayer
 
     assert {type(layer) for layer in make_cache("prealloc", sliding_toy).layers} == {WindowLayer}
     assert {type(layer) for layer in make_cache("dynamic", sliding_toy).layers} == {SlidingCatLayer}

@@ -17,6 +17,7 @@ import torch
 from transformers.cache_utils import DynamicCache
 from transformers.utils import logging as hf_logging
 
+from .. import designs  # noqa: F401 (registers kvlab's own designs, list and prealloc, with make_cache)
 from ..caches import TupleCache, num_layers
 from ..compat import cache_argument
 from ..loops import Generation, generate
@@ -40,15 +41,15 @@ def check_runtime(runtime: str, cache: str | None = None, loop: str = "v5", stra
     check_choice("runtime", runtime, RUNTIMES)
     if runtime == "eager":
         return
-    designs = RUNTIMES[runtime]
-    if cache is not None and cache not in designs:
+    carried = RUNTIMES[runtime]
+    if cache is not None and cache not in carried:
         why = {
             "jit-trace": "torch.jit.trace passes only tensors and tuples across the graph boundary",
             "convert": "it converts tuples to transformers' DynamicCache and back",
             "export": "torch.export needs a cache whose buffers exist before the graph runs",
         }[runtime]
         raise ValueError(
-            f"runtime {runtime!r} cannot carry the {cache!r} cache ({why}); use cache={designs[0]!r}, "
+            f"runtime {runtime!r} cannot carry the {cache!r} cache ({why}); use cache={carried[0]!r}, "
             f"or runtime 'eager' for {cache!r}"
         )
     if loop != "v5":

@@ -11,6 +11,7 @@ import gc
 
 import torch
 
+from .. import designs  # noqa: F401 (registers kvlab's own designs, list and prealloc, with make_cache)
 from ..caches import KVCache, num_layers
 from ..decoding import Sampling, decoding
 from ..loops import generate

@@ -14,8 +14,9 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from .. import theory
-from ..caches import KVCache, ListLayer, PreallocLayer, TupleCache, WindowLayer, forward, make_cache
+from ..caches import KVCache, TupleCache, forward, make_cache
 from ..decoding import decoding
+from ..designs import ListLayer, PreallocLayer, WindowLayer
 from ..loops import generate
 from ..meter import MemoryMeter
 from ..models import final_kv_bytes
@@ -179,7 +180,7 @@ def bulk_plan(model, cache: str, prompt: int, new: int, cache_options: dict) -> 
     """The plan of a bulk dry run of `model` decoding `new` tokens after `prompt` into a cache of design `cache`
     (its `cache_options`): the kept steps (`ForwardRule`) found on a stand-in, the same design's cache for `model`
     grown by tensors of one token's worth of one number (on the CPU, no meter) as the run grows it, a token a step:
-    when its layers reallocate depends on the tokens they hold alone (kvlab.caches; `BulkSkippingForward` checks it
+    when its layers reallocate depends on the tokens they hold alone (kvlab.designs; `BulkSkippingForward` checks it
     at each kept step of the run)."""
     rule = ForwardRule(new, _design_period(cache, cache_options))
     kept = {step for step in (0, 1, rule.last) if step >= 0}
@@ -224,7 +225,7 @@ class BulkSkippingForward(SkippingForward):
 
 def reallocates(cache, steps_left: int | None = None) -> bool:
     """Whether a layer of kvlab's periodic designs allocates anew at the next token (a list layer consolidates, a
-    prealloc buffer grows, a window buffer moves: kvlab.caches, the rules of their `update`); with `steps_left`,
+    prealloc buffer grows, a window buffer moves: kvlab.designs, the rules of their `update`); with `steps_left`,
     only a layer that will not do so again in that many steps (its period on: the last time holds the most)."""
     periods = [_reallocating(layer) for layer in cache.layers]
     return any(period is not None and (steps_left is None or period > steps_left) for period in periods)
@@ -284,7 +285,7 @@ def _bulk_updates(layer, tokens: int) -> list[int]:
 def _advance_window(layer: WindowLayer, tokens: int, grow) -> None:
     """`tokens` single-token updates of a window layer, looped only until its phase repeats. After its first update
     its buffer is never reallocated, and where the next token goes (`start`, `end`) is a function of where the last
-    one went (kvlab.caches.WindowLayer.update): from a repeated phase on, the phases cycle, so the phase after the
+    one went (kvlab.designs.WindowLayer.update): from a repeated phase on, the phases cycle, so the phase after the
     last token is one already seen, and the layer is left there: its views of the same buffer, and the tokens it
     has seen (`cumulative_length`) counted."""
     phases: dict[tuple[int, int], int] = {}  # phase -> how many tokens were in before it

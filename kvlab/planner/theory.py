@@ -1,6 +1,7 @@
 """The analytic peak for any point planned for: kvlab.theory's walk (the lesson's: greedy, one call, CPU and meta)
-extended through its `Run`'s rules (`extend`) to beam search and sampling, restarts, 5.x's sliding layers (`Layers`)
-and GPT-OSS's eager attention and experts, and to a CUDA GPU and transformers' exported program. On CUDA the
+extended through its `Run`'s rules (`extend`) and its `CacheWalk` (`DesignWalk`) to kvlab's own designs (list and
+prealloc: kvlab.designs; `Buffers`), beam search and sampling, restarts, 5.x's sliding layers (`Layers`) and
+GPT-OSS's eager attention and experts, and to a CUDA GPU and transformers' exported program. On CUDA the
 kernel SDPA picks adds what it allocates inside (kvlab.cuda_memory.sdpa_terms), every term becomes a block of the
 caching allocator, and cuBLAS's workspace joins once the first matrix product has run. The exported static-cache
 program (kvlab.graphs, runtime export) has phases of its own (`_exported_peak`).
@@ -11,6 +12,8 @@ CPU's threads: `peak_phases`, `phase_terms`, `predict_overhead`, `breakdown`.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
 from functools import partial
 
 from ..counts import final_kv_bytes, window_tokens
@@ -49,16 +52,17 @@ def peak_phases(config, threads: int | None = None, arch: str = "hopper", **poin
             terms = _on_cuda(terms, arch, matrix_products_ran=True)
         kv_final = final_kv_bytes(config, s.rows, p["prompt"] + p["new"], p["dtype"])
         return sum(terms.values()), where, terms, kv_final, held
-    r = extend(run_of(config, p, threads))
-    walk = CacheWalk(r)
+    r = extend(run_of(config, p, threads), p)
+    walk = DesignWalk(r)
     kv_final = final_kv_bytes(config, r.s.rows, r.max_len, p["dtype"])
     return (*largest_phase(_device_phases(r, walk, arch)), kv_final, walk.held_tokens())
 
 
 def phase_terms(config, step: int, phase: str, threads: int | None = None, arch: str = "hopper", **point) -> dict:
     """The terms of one phase of one step (`peak_phases` keeps the largest), e.g. a long prompt's attention."""
-    r = extend(run_of(config, design_point(point), threads))
-    return terms_at(_device_phases(r, CacheWalk(r), arch), step, phase)
+    p = design_point(point)
+    r = extend(run_of(config, p, threads), p)
+    return terms_at(_device_phases(r, DesignWalk(r), arch), step, phase)
 
 
 def terms_at(phases, step: int, phase: str) -> dict:
@@ -146,12 +150,87 @@ def _exported_peak(s: Shape, prompt: int, new: int):
     return best[0], best[1], best[2], [last] * s.layers
 
 
-def extend(r: Run) -> Run:
-    """`r` walked with the planner's rules: kvlab.theory's, and beams, sampling, restarts, 5.x's sliding layers and
-    GPT-OSS's eager attention and experts."""
+def extend(r: Run, p: dict) -> Run:
+    """`r`, the `Run` of point `p`, walked with the planner's rules: kvlab.theory's, and kvlab's own designs (their
+    options from `p`), beams, sampling, restarts, 5.x's sliding layers and GPT-OSS's eager attention and experts."""
     r.phases, r.held, r.previous = _phases, _held_through_the_step, _previous_locals
-    r.mask, r.sliding_layers = _mask, Layers
+    r.mask, r.inputs, r.sliding_layers = _mask, _attention_inputs, Layers
+    r.chunk_limit, r.block_tokens = p["chunk_limit"], p["block_tokens"]
     return r
+
+
+class Buffers:
+    """Token slots of each layer's buffers under kvlab's `prealloc` (kvlab.designs). A full layer (`PreallocLayer`)
+    grows in blocks; a sliding layer of window W (`WindowLayer`) holds W - 1 + block_tokens slots from its first
+    update on: a prompt longer than that is read as it came and only its last W - 1 tokens are copied in, and when
+    the buffer is full the kept window (at most W - 1 tokens) moves to the front through a clone."""
+
+    def __init__(self, sliding: list, block_tokens: int):
+        self.sliding, self.block = sliding, block_tokens
+        self.storage = [0] * len(sliding)  # slots of each layer's keys (= values) buffer now
+        self.start = [0] * len(sliding)  # a sliding layer's kept tokens: buffer[start:end]
+        self.end = [0] * len(sliding)
+
+    def update(self, fed: int, before: int) -> int:
+        """Write `fed` tokens after `before`; returns the largest transient of one layer, in tokens: an old values
+        buffer while it grows, or the clone of a window as it moves."""
+        transient = 0
+        for i, window in enumerate(self.sliding):
+            if window is None:
+                grown = math.ceil((before + fed) / self.block) * self.block
+                if before > 0 and grown > self.storage[i]:
+                    transient = max(transient, self.storage[i])
+                self.storage[i] = max(self.storage[i], grown)
+                continue
+            capacity = self.storage[i] = window - 1 + self.block
+            start, end = self.start[i], self.end[i]
+            if end + fed > capacity and start > 0:
+                transient, start, end = max(transient, end - start), 0, end - start
+            if end + fed <= capacity:
+                end += fed
+            else:  # more than the buffer holds: only the last W - 1 tokens are copied in
+                start, end = 0, min(window - 1, end - start + fed)
+            self.start[i], self.end[i] = max(start, end - (window - 1)), end
+        return transient
+
+
+@dataclass
+class DesignStep(Step):
+    """kvlab.theory's `Step`, and what kvlab's own designs do in its update."""
+
+    transient: int = 0  # prealloc: tokens of one layer's buffer copied aside during the update
+    chunks: int = 0  # list: chunks per layer after the update
+    consolidated: bool = False  # list: this update joined the chunks into one
+
+
+class DesignWalk(CacheWalk):
+    """kvlab.theory's walk, and kvlab's own designs: prealloc's buffers (`Buffers`), the list's chunk count."""
+
+    def __init__(self, run: Run):
+        super().__init__(run)
+        self.buffers = Buffers(run.windows, run.block_tokens) if run.cache == "prealloc" else None
+        self.chunks = self.transient = 0
+
+    def _advance(self, index: int, call: int, fed: int, before: int, after: int) -> DesignStep:
+        self.transient, consolidated = 0, False
+        step = super()._advance(index, call, fed, before, after)  # prealloc's buffers: `_storage`
+        if self.run.cache == "list":
+            self.chunks = 1 if index == 0 else self.chunks + 1
+            if self.chunks >= self.run.chunk_limit:
+                self.chunks, consolidated = 1, True
+        return DesignStep(**vars(step), transient=self.transient, chunks=self.chunks, consolidated=consolidated)
+
+    def _storage(self, index: int, fed: int, before: int, after: int) -> tuple:
+        if self.buffers is None:
+            return super()._storage(index, fed, before, after)
+        last_slots = self.buffers.storage[-1]
+        self.transient = self.buffers.update(fed, before)
+        seen = window_tokens(self.run.window, after, fed)  # a sliding layer: its kept window + fed
+        held_after = 2 * self.run.s.t * sum(self.buffers.storage)
+        return held_after, before, seen, self.buffers.storage[-1] - last_slots
+
+    def held_tokens(self) -> list:
+        return list(self.buffers.storage) if self.buffers else super().held_tokens()
 
 
 class Layers:
@@ -191,19 +270,36 @@ def _mask(r: Run, fed: int, seen: int, full_seen: int) -> dict:
     }
 
 
-def _update_phase(r: Run, step: Step) -> dict:
-    """kvlab.theory's update; a restart from tuples: the second call's first cat reads the caller's tuple, which
-    holds the old values (not the cache's own)."""
+def _update_phase(r: Run, step: DesignStep) -> dict:
+    """kvlab.theory's update, and the copies kvlab's own designs make in theirs (the list's consolidation, a prealloc
+    buffer's growth or its window's move); a restart from tuples: the second call's first cat reads the caller's
+    tuple, which holds the old values (not the cache's own)."""
     terms = PHASES["update"](r, step)
+    if step.consolidated:
+        terms["consolidation: old chunks during the cat"] = r.s.t * step.after
+    if step.transient:
+        terms["old values buffer during growth, or a window's clone as it moves"] = r.s.t * step.transient
     if step.call == 1 and step.first_of_call and r.restart_from == "tuples":
         terms.pop("old values tensor during its cat", None)
+    return terms
+
+
+def _attention_inputs(r: Run, step: DesignStep) -> dict:
+    """kvlab.theory's: what the last layer's attention sits on; the layer's new keys and values stay alive where
+    prealloc's window buffer is too short for the feed (attention reads them as they came), and the list joins its
+    chunks for attention."""
+    s, fed, terms = r.s, step.fed, attention_inputs(r, step)
+    if r.cache == "prealloc" and r.last_window and fed > r.last_window - 1 + r.block_tokens:
+        terms["activations of one layer"] += 2 * s.t * fed
+    if r.cache == "list" and step.chunks > 1:
+        terms["keys and values concatenated for attention"] = 2 * s.t * step.after
     return terms
 
 
 def _eager_attention_phase(r: Run, step: Step) -> dict:
     """Eager attention (GPT-OSS) peaks as it shifts the scores for the softmax: the masked scores, the scores with
     one sink column, their shifted copy and the row maxima, beside repeat_kv copies of the keys and values."""
-    s, terms = r.s, attention_inputs(r, step)
+    s, terms = r.s, _attention_inputs(r, step)
     terms["eager attention: scores, with the sinks, shifted, and their maxima"] = _one_keys_scores(s, step.fed) * (
         3 * step.keys + 3
     )

@@ -29,14 +29,15 @@ def _config(row):
     return build_config(row["preset"], [item for item in row["overrides"].split(",") if item])
 
 
-def refresh_predictions(df: pd.DataFrame) -> pd.DataFrame:
-    """`predicted_overhead_bytes` from the installed kvlab.theory, the recorded one kept as
-    `recorded_prediction_bytes`: a prediction is a function of the parameters, so it follows the theory as it
-    improves without measuring again. The lesson's walk predicts for the CPU and meta; a CUDA point's prediction is
-    kvlab.planner.theory's, recorded as it was measured (`python -m kvlab compare` keeps it)."""
+def refresh_predictions(df: pd.DataFrame, predict_overhead=theory.predict_overhead) -> pd.DataFrame:
+    """`predicted_overhead_bytes` from the installed theory, the recorded one kept as `recorded_prediction_bytes`: a
+    prediction is a function of the parameters, so it follows the theory as it improves without measuring again.
+    kvlab.theory's walk (the default) predicts transformers' designs on the CPU and meta; kvlab.planner.theory's
+    `predict_overhead` every point (appendix A5 passes it). A CUDA point's prediction is the planner's, recorded as
+    it was measured (`python -m kvlab compare` keeps it)."""
 
     def predict(row):
-        return theory.predict_overhead(_config(row), **{key: row[key] for key in schema.POINT_KEYS if key in row})
+        return predict_overhead(_config(row), **{key: row[key] for key in schema.POINT_KEYS if key in row})
 
     return df.assign(
         recorded_prediction_bytes=df["predicted_overhead_bytes"], predicted_overhead_bytes=df.apply(predict, axis=1)
