@@ -464,17 +464,18 @@ def explained(total: int, where: str, terms: dict, kv_final: int, held: list, re
     }
 
 
-def improvement_factors(config, batch=1, prompt=300, new=None, dtype="bfloat16"):
+def improvement_factors(config, batch=1, prompt=300, new=None, dtype="bfloat16", predict=predict_overhead):
     """The PR's bounds on the v4.40 / v4.42 peak (tuple cache before, one dynamic cache after).
 
     Minimal: two new tokens, where v4.40's peak is at step 2 (2 x prompt cache + the leaked first-iteration logits)
     and v4.42's is bounded by the prompt's own forward. Maximal: at `new` tokens, or, not given, where the cache
-    dominates (16 x the prompt's tokens), v4.40's peak holding two caches and v4.42's one.
+    dominates (16 x the prompt's tokens), v4.40's peak holding two caches and v4.42's one. `predict`: this walk's
+    `predict_overhead`, or kvlab.planner.theory's for a config beyond it (a sliding window: Mistral-7B v0.1).
     """
     point = dict(batch=batch, prompt=prompt, dtype=dtype)
 
     def ratio(n):
-        return predict_overhead(config, cache="tuple", loop="v4.40", new=n, **point) / predict_overhead(
+        return predict(config, cache="tuple", loop="v4.40", new=n, **point) / predict(
             config, cache="dynamic", loop="v4.42", new=n, **point
         )
 
