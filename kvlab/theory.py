@@ -10,10 +10,11 @@ How it reads: `peak_phases` walks a `Run` (what the point fixes) step by step; `
 `Step` (what the cache holds around it); each phase is a function of the two (`_rotary_phase` ...
 `_next_token_phase`), and what lives through the whole step is added to each (`held_through_the_step`,
 `_previous_locals`). `breakdown` is the peak's terms for printing. This is the lesson's walk: greedy decoding in
-one generate() call of transformers' own designs (tuple, dynamic, static), on the CPU and meta.
-kvlab.planner.theory extends it through the `Run`'s rules (its phases, what lives through a step, the mask, what
-attention sits on, 5.x's sliding layers, the GPU's SDPA kernel) and its `CacheWalk` to kvlab's own designs (list,
-prealloc), beams, sampling, restarts, 5.x's sliding layers, GPT-OSS, a CUDA GPU and transformers' exported program.
+one generate() call of transformers' own designs (tuple, dynamic, static) with full attention, eager PyTorch, on
+the CPU and meta. kvlab.planner.theory extends it through a richer `Run` (`PlannedRun`: its phases, what lives
+through a step, what attention sits on, the GPU's SDPA kernel) and its `CacheWalk` (`DesignWalk`) to kvlab's own
+designs (list, prealloc), beams, sampling, restarts, sliding windows (their masks, 5.x's sliding layers), GPT-OSS,
+a CUDA GPU and kvlab.graphs' runtimes.
 
 Units: t = bytes of one layer's keys (or values) for one token = rows x kv_heads x head_dim x dtype;
 one token of the whole cache is 2 x layers x t.
@@ -21,7 +22,7 @@ one token of the whole cache is 2 x layers x t.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from .compat import generate_drops_ones_mask
 from .counts import (
@@ -32,7 +33,7 @@ from .counts import (
     kv_bytes_per_token,
     sliding_windows,
 )
-from .schema import DEFAULTS, LOOPS, POINT_KEYS, Release
+from .schema import DEFAULTS, LOOPS, POINT_KEYS
 
 INT64 = 8
 FP32 = 4
@@ -73,54 +74,33 @@ class Shape:
 
 
 class Run:
-    """What a point fixes for all its steps: the sizes, the release's loop, the design and the sliding windows (the
-    options of kvlab's own designs, list and prealloc: kvlab.planner.theory's)."""
+    """What a point `p` (every key given: `design_point`) fixes for all its steps: the sizes, the release's loop,
+    the design and the device (restarts, runtimes, sliding windows and kvlab's own designs' options:
+    kvlab.planner.theory's `PlannedRun`)."""
 
-    def __init__(
-        self,
-        s: Shape,
-        release: Release,
-        windows: list,
-        cache: str,
-        strategy: str,
-        runtime: str,
-        restart_from: str,
-        prompt: int,
-        new: int,
-        restart_new: int,
-        device: str = "cpu",
-        threads: int | None = None,
-    ):
-        self.s, self.release, self.windows, self.device = s, release, windows, device
+    def __init__(self, config, p: dict, threads: int | None):
+        self.s = s = Shape(config, p["batch"], p["dtype"], p["strategy"], p["num_beams"])
+        self.release = release = LOOPS[p["loop"]]
+        self.device = str(p["device"]).split(":")[0]  # cuda:1 -> cuda
         self.threads = threads  # a CPU's torch threads (flash's scratch)
-        # The walk's rules, which kvlab.planner.theory extends: a step's phases (run, walk, step) -> {phase: terms},
-        # what lives through the step (run, step), the previous step's locals (run, step, phase), the mask a forward
-        # builds (run, fed, seen, full_seen), what the last layer's attention sits on (run, step), 5.x's sliding
-        # layers (a class like its Layers; none here) and what SDPA allocates inside on a GPU (run, step, masked,
-        # grouped).
-        self.phases, self.held, self.previous, self.mask, self.inputs = (
+        # The walk's rules, which kvlab.planner.theory's `PlannedRun` replaces: a step's phases (run, walk, step) ->
+        # {phase: terms}, what lives through the step (run, step), the previous step's locals (run, step, phase),
+        # what the last layer's attention sits on (run, step) and what SDPA allocates inside on a GPU (run, step,
+        # masked, grouped; none here).
+        self.phases, self.held, self.previous, self.inputs = (
             _phases,
             held_through_the_step,
             _previous_locals,
-            attention_mask,
             attention_inputs,
         )
-        self.sliding_layers = self.gpu_kernel = None
-        self.cache, self.strategy, self.runtime, self.restart_from = cache, strategy, runtime, restart_from
-        self.prompt, self.new, self.restart_new = prompt, new, restart_new
-        self.tuple_cache, self.keeps_outputs = cache == "tuple", release.keeps_previous_outputs
-        self.max_len = prompt + new + restart_new
+        self.gpu_kernel = None
+        self.cache, self.strategy, self.prompt, self.new = p["cache"], p["strategy"], p["prompt"], p["new"]
+        self.tuple_cache, self.keeps_outputs = self.cache == "tuple", release.keeps_previous_outputs
+        self.max_len = self.prompt + self.new
         self.static_len = self.max_len - 1  # as generate() sizes it: the last new token never enters the cache
-        self.held_after_first = prompt + new - 1  # tokens of the first call's cache: the caller's tuple in a restart
         self.groups = s.heads // s.kv_heads
-        self.window = next((w for w in windows if w), None)  # the sliding mask's (one for every sliding layer)
         # 5.18+ generate() drops the all-ones padding mask: the masks it builds then have one row for every sequence.
         self.passes_mask = not (release.major == 5 and generate_drops_ones_mask())
-        self.mask_rows = s.rows if self.passes_mask else 1
-        self.last_window, self.has_full = windows[-1], None in windows
-        # 5.x's StaticCache gives a sliding layer min(W, length) slots; empty where no layer is shorter.
-        static = [min(w or self.static_len, self.static_len) for w in windows] if cache == "static" else []
-        self.static_windows = static if any(w != self.static_len for w in static) else []
 
 
 @dataclass
@@ -129,60 +109,54 @@ class Step:
     its last layer's update, and the keys that layer attends to."""
 
     index: int
-    call: int  # 0: the first generate() call; 1: the restart's
     fed: int  # tokens fed to this forward
     before: int  # cache length before it ...
     after: int  # ... and after it
-    first_of_call: bool
     previous_fed: int  # tokens fed to the previous forward (v4.40 keeps their logits)
     held_before: int  # bytes the cache held before this forward
     held_after: int  # ... and after the last layer's update
-    old_tuple: int  # bytes of the caller's old tuple, referenced while the new one grows (tuple, convert)
+    old_tuple: int  # bytes of the caller's old tuple, referenced while the new one grows (tuple)
     old_last: int  # tokens of the last layer's values storage before its cat
-    seen: int  # keys a sliding layer attends to (every key on a full-attention model)
-    mask: dict  # the attention mask's term, if the forward builds one (alive until the decoder stack returns)
     keys: int  # keys the last layer attends to
     last_growth: int  # tokens the last layer's storage grows by in its update (after its rotary embedding)
+    # The attention mask the forward builds, alive until the decoder stack returns, and whether the last layer's
+    # SDPA gets it: none under full attention, where SDPA's is_causal shortcut needs none (a sliding window's:
+    # kvlab.planner.theory).
+    mask: dict = field(default_factory=dict)
+    masked: bool = False
+
+    def where(self, phase: str) -> str:
+        """The step and phase, as `largest_phase` names the peak."""
+        return f"step {self.index} ({phase})"
 
 
 class CacheWalk:
-    """The design's storage, forward by forward: 5.x's dynamic layers on a sliding config (`Run.sliding_layers`,
-    kvlab.planner.theory's); the other designs follow from the cache length (kvlab's own, list and prealloc:
-    kvlab.planner.theory's `DesignWalk`)."""
+    """The design's storage, forward by forward, from the cache length (kvlab.planner.theory's `DesignWalk`: kvlab's
+    own designs, a restart's second call and 5.x's sliding layers)."""
 
     def __init__(self, run: Run):
         self.run = run
-        # 5.x's dynamic cache on a sliding or hybrid config: each layer's storage walked step by step.
-        release, layers = run.release, run.s.layers
-        self.sliding = list(run.windows) if run.cache == "dynamic" and release.major == 5 else [None] * layers
-        self.layers = run.sliding_layers(self.sliding) if any(self.sliding) else None
         self.held = self.fed = 0  # bytes held and tokens fed as of the last step
 
     def steps(self):
         """A `Step` for every forward of the run, the cache updated to it."""
-        r = self.run
-        for index, (call, fed, before, after) in enumerate(_steps(r.prompt, r.new, r.restart_new)):
-            yield self._advance(index, call, fed, before, after)
+        for index, (fed, before, after) in enumerate(call_steps(self.run.prompt, self.run.new)):
+            yield self._advance(index, fed, before, after)
 
-    def _advance(self, index: int, call: int, fed: int, before: int, after: int) -> Step:
-        r, s = self.run, self.run.s
-        held_after, old_last, seen, last_growth = self._storage(index, fed, before, after)
-        full_seen = r.static_len if r.cache == "static" else after  # keys a full layer attends to
+    def _advance(self, index: int, fed: int, before: int, after: int) -> Step:
+        r = self.run
+        held_after, old_last, last_growth = self._storage(index, fed, before, after)
         step = Step(
             index,
-            call,
             fed,
             before,
             after,
-            first_of_call=index == 0 or (call == 1 and before == r.held_after_first),
             previous_fed=self.fed,
             held_before=self.held,
             held_after=held_after,
-            old_tuple=s.kv(before) if r.tuple_cache or r.runtime == "convert" else 0,
+            old_tuple=r.s.kv(before) if r.tuple_cache else 0,
             old_last=old_last,
-            seen=seen,
-            mask=r.mask(r, fed, seen, full_seen),
-            keys=seen if r.last_window else full_seen,
+            keys=r.static_len if r.cache == "static" else after,
             last_growth=last_growth,
         )
         self.held, self.fed = held_after, fed
@@ -190,48 +164,22 @@ class CacheWalk:
 
     def _storage(self, index: int, fed: int, before: int, after: int) -> tuple:
         """The cache updated by one forward: (bytes it holds after, tokens of the last layer's values storage before
-        its cat, keys a sliding layer attends to, tokens the last layer's storage grows by in its update)."""
-        r, s = self.run, self.run.s
-        held_after = _held(s, r.cache, after, r.static_len)
-        if r.static_windows:
-            held_after = 2 * s.t * sum(r.static_windows)
-        if self.layers is not None:
-            old_last = self.layers.storage[-1]
-            self.layers.update(fed)
-            seen = self.layers.storage[self.sliding.index(r.window)] if r.window else after
-            return 2 * s.t * sum(self.layers.storage), old_last, seen, self.layers.storage[-1] - old_last
+        its cat, tokens the last layer's storage grows by in its update)."""
+        r = self.run
         if r.cache == "static":  # each layer allocates its whole buffers at its first update
-            return held_after, before, after, (r.static_windows or [r.static_len])[-1] if index == 0 else 0
-        return held_after, before, after, fed
+            return r.s.kv(r.static_len), before, r.static_len if index == 0 else 0
+        return r.s.kv(after), before, fed
 
     def held_tokens(self) -> list:
-        """Tokens each layer's storage holds at the end (5.x sliding layers plateau at the window, the rest grow)."""
-        if self.layers:
-            return list(self.layers.storage)
+        """Tokens each layer's storage holds at the end."""
         r = self.run
-        return r.static_windows or [r.static_len if r.cache == "static" else r.max_len - 1] * r.s.layers
+        return [r.static_len if r.cache == "static" else r.max_len - 1] * r.s.layers
 
 
-def _held(s: Shape, cache: str, length: int, max_len: int) -> int:
-    """Bytes the cache design holds for `length` tokens."""
-    return s.kv(max_len if cache == "static" else length)
-
-
-def _steps(prompt, new, restart_new):
-    """(call, tokens fed, cache length before, after) for every forward of the run."""
-    length, steps = 0, []
-    for call, count in ((0, new), (1, restart_new)):
-        for i in range(count):
-            fed = prompt if (call == 0 and i == 0) else 1
-            steps.append((call, fed, length, length + fed))
-            length += fed
-    return steps
-
-
-def attention_mask(r: Run, fed: int, seen: int, full_seen: int) -> dict:
-    """The attention mask a forward builds, alive until the decoder stack returns (before the lm_head). SDPA gets
-    one only past a sliding window (else its is_causal shortcut needs none): a bool per (query, key)."""
-    return {"sliding-window attention mask (bool)": r.mask_rows * fed * seen} if r.window and seen >= r.window else {}
+def call_steps(prompt: int, new: int) -> list:
+    """(tokens fed, cache length before, after) for every forward of one generate() call: the prompt, then one
+    token a step."""
+    return [(prompt if i == 0 else 1, 0 if i == 0 else prompt + i - 1, prompt + i) for i in range(new)]
 
 
 def _hidden_states(s: Shape, fed: int) -> int:
@@ -292,10 +240,9 @@ def attention_inputs(r: Run, step: Step) -> dict:
 def _attention_phase(r: Run, step: Step) -> dict:
     """The last layer's attention: SDPA's output beside its inputs, which are repeat_kv copies of the layer's keys
     and values where transformers does not use SDPA's grouped-query path: always in <= 4.42; in 5.x when the layer
-    gets a mask and more than one query (a prompt past the window)."""
-    s, fed = r.s, step.fed
+    gets a mask (`Step.masked`: a prompt past a sliding window)."""
+    s, fed, masked = r.s, step.fed, step.masked
     terms = r.inputs(r, step)
-    masked = bool(step.mask and fed > 1 and r.last_window)  # SDPA gets the mask (more than one query, sliding)
     copies = r.groups > 1 and (r.release.major == 4 or masked)
     terms["repeat_kv copies of one layer (SDPA without its grouped-query path)"] = (
         2 * r.groups * s.t * step.keys if copies else 0
@@ -337,23 +284,6 @@ def _cpu_flash_attention(r: Run, step: Step, masked: bool) -> dict:
         "SDPA: flash kernel's scratch, a block per thread": flash_scratch_bytes(
             fed, step.keys, s.head_dim, s.e == 2, r.threads
         ),
-    }
-
-
-def _mask_phase(r: Run, step: Step) -> dict | None:
-    """Before the first layer (SDPA past a sliding window): masking_utils.sdpa_mask builds the mask from the window
-    and causal conditions (one bool of fed x keys each, then their intersection), then intersects it with the
-    padding mask, one row per sequence. On a long prompt this is the forward's peak, with nothing but the
-    embeddings beside it (and the cache from before the forward)."""
-    if not step.mask:
-        return None
-    s, fed, seen = r.s, step.fed, step.seen
-    return {
-        "cache before the forward": 0 if r.tuple_cache else step.held_before,
-        "old tuple still referenced": step.old_tuple,
-        "embeddings": s.rows * fed * s.hidden * s.e,
-        "sliding-window mask being built (bool)": max(3, 1 + r.mask_rows) * fed * seen,
-        "query and key positions (int64)": (fed + seen) * INT64,
     }
 
 
@@ -404,14 +334,14 @@ def _next_token_phase(r: Run, step: Step) -> dict | None:
 
 
 # The step's phases in the order they happen: the last layer's rotary embedding, its update, its attention and
-# (<= 4.42) output projection, the mask built before the first layer, the MLP, the lm_head, then the loop's own work
-# after the forward. Each is a function of the run and the step; None where the step has no such phase.
+# (<= 4.42) output projection, the MLP, the lm_head, then the loop's own work after the forward (a sliding window's
+# mask, built before the first layer: kvlab.planner.theory). Each is a function of the run and the step; None where
+# the step has no such phase.
 PHASES = {
     "rotary": _rotary_phase,
     "update": _update_phase,
     "attention": _attention_phase,
     "output projection": _output_projection_phase,
-    "mask": _mask_phase,
     "mlp": _mlp_phase,
     "lm_head": _lm_head_phase,
     "next-token logits": _next_token_phase,
@@ -439,7 +369,7 @@ def held_through_the_step(r: Run, step: Step) -> dict:
 def _previous_locals(r: Run, step: Step, phase: str) -> dict:
     """The loop's locals from the previous step, alive through the forward until rebound: the next-token logits
     (v4.40's are a view into the kept outputs)."""
-    if step.first_of_call or r.keeps_outputs:
+    if step.index == 0 or r.keeps_outputs:
         return {}
     return {"previous step's next-token logits (fp32)": r.s.rows * r.s.vocab * FP32}
 
@@ -448,9 +378,6 @@ def peak_phases(config, threads: int | None = None, **point):
     """Every phase's bytes above the weights; returns (peak, the phase that makes it, its terms, final KV, tokens
     each layer's storage holds at the end).
 
-    `runtime` (kvlab.graphs): jit-trace is the tuple design under v5's loop (the caller holds the old
-    tuple while the graph builds the new one); convert is the dynamic design plus the old tuple the
-    caller holds while the copied cache object grows (export's program: kvlab.planner.theory).
     `device`: where the point runs, the CPU or meta (a CUDA GPU: kvlab.planner.theory); on CPU the attention phase
     holds what SDPA's flash kernel allocates inside (a block per thread: `threads`, by default this process's torch
     threads).
@@ -465,18 +392,21 @@ def peak_phases(config, threads: int | None = None, **point):
 def lesson_run(config, point: dict, threads: int | None) -> tuple[dict, Run]:
     """The point (`design_point`) and its `Run`, refusing what this walk leaves to kvlab.planner.theory."""
     p = design_point(point)
-    r = run_of(config, p, threads)
+    r = Run(config, p, threads)
     beyond = {
         f"kvlab's own cache design {r.cache} (kvlab.designs)": r.cache not in WALKED,
         "a CUDA GPU": r.device == "cuda",
-        "the exported program (runtime export)": p["runtime"] == "export",
+        f"the {p['runtime']} runtime (kvlab.graphs)": p["runtime"] != "eager",
         f"{r.strategy} decoding": r.strategy != "greedy",
-        "a restart (restart_new)": r.restart_new > 0,
-        "5.x's sliding layers (cache dynamic)": r.cache == "dynamic" and r.release.major == 5 and any(r.windows),
+        "a restart (restart_new)": p["restart_new"] > 0,
+        "sliding-window attention": any(sliding_windows(config)),
         f"{config.model_type}'s eager attention and experts": r.s.eager or r.s.experts,
     }
     if what := next((what for what, applies in beyond.items() if applies), None):
-        raise ValueError(f"kvlab.theory walks the lesson's points (greedy, CPU, meta); {what}: kvlab.planner.theory")
+        raise ValueError(
+            f"kvlab.theory walks the lesson's points (greedy, one call, full attention, CPU, meta); {what}: "
+            "kvlab.planner.theory"
+        )
     return p, r
 
 
@@ -486,26 +416,8 @@ def largest_phase(phases) -> tuple:
     for step, name, terms in phases:
         total = sum(terms.values())
         if total > best[0]:
-            best = (total, f"step {step.index} ({'restart ' if step.call else ''}{name})", terms)
+            best = (total, step.where(name), terms)
     return best
-
-
-def run_of(config, p: dict, threads: int | None) -> Run:
-    """The `Run` of a design point (every key given: `design_point`)."""
-    return Run(
-        Shape(config, p["batch"], p["dtype"], p["strategy"], p["num_beams"]),
-        LOOPS[p["loop"]],
-        sliding_windows(config),
-        cache=p["cache"],
-        strategy=p["strategy"],
-        runtime=p["runtime"],
-        restart_from=p["restart_from"],
-        prompt=p["prompt"],
-        new=p["new"],
-        restart_new=p["restart_new"],
-        device=str(p["device"]).split(":")[0],  # cuda:1 -> cuda
-        threads=threads,
-    )
 
 
 def walk_phases(r: Run, walk: CacheWalk):
@@ -552,17 +464,18 @@ def explained(total: int, where: str, terms: dict, kv_final: int, held: list, re
     }
 
 
-def improvement_factors(config, batch=1, prompt=300, new=None, dtype="bfloat16"):
+def improvement_factors(config, batch=1, prompt=300, new=None, dtype="bfloat16", predict=predict_overhead):
     """The PR's bounds on the v4.40 / v4.42 peak (tuple cache before, one dynamic cache after).
 
     Minimal: two new tokens, where v4.40's peak is at step 2 (2 x prompt cache + the leaked first-iteration logits)
     and v4.42's is bounded by the prompt's own forward. Maximal: at `new` tokens, or, not given, where the cache
-    dominates (16 x the prompt's tokens), v4.40's peak holding two caches and v4.42's one.
+    dominates (16 x the prompt's tokens), v4.40's peak holding two caches and v4.42's one. `predict`: this walk's
+    `predict_overhead`, or kvlab.planner.theory's for a config beyond it (a sliding window: Mistral-7B v0.1).
     """
     point = dict(batch=batch, prompt=prompt, dtype=dtype)
 
     def ratio(n):
-        return predict_overhead(config, cache="tuple", loop="v4.40", new=n, **point) / predict_overhead(
+        return predict(config, cache="tuple", loop="v4.40", new=n, **point) / predict(
             config, cache="dynamic", loop="v4.42", new=n, **point
         )
 

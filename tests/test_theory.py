@@ -341,9 +341,9 @@ def test_every_stored_record_divides_by_the_final_kv_of_models():
 
 
 def test_the_lessons_walk_is_the_planners_on_its_points_and_refuses_the_rest(toy):
-    """kvlab.theory walks lessons 01-03's points (greedy, one call, CPU or meta, transformers' own designs) as
-    kvlab.planner.theory does, whose extensions add nothing there; a point beyond them is refused with the module
-    that walks it."""
+    """kvlab.theory walks lessons 01-03's points (greedy, one call, full attention, the eager runtime, CPU or meta,
+    transformers' own designs) as kvlab.planner.theory does, whose extensions add nothing there; a point beyond them
+    is refused with the module that walks it."""
     point = dict(batch=2, prompt=40, new=6, dtype="float32")
     own = ("list", "prealloc")  # kvlab's own designs (kvlab.designs), which the planner walks
     for cache, loop in schema.DESIGNS:
@@ -352,6 +352,12 @@ def test_the_lessons_walk_is_the_planners_on_its_points_and_refuses_the_rest(toy
             if cache not in own:
                 assert theory.breakdown(toy.config, **design) == planned.breakdown(toy.config, **design), design
     beyond = [dict(strategy="beam"), dict(strategy="sample"), dict(restart_new=4), dict(device="cuda")]
-    for other in beyond + [dict(cache=cache, loop="v5") for cache in own]:
+    runtimes = [dict(runtime="jit-trace", cache="tuple"), dict(runtime="convert"), dict(runtime="export")]
+    for other in beyond + runtimes + [dict(cache=cache, loop="v5") for cache in own]:
         with pytest.raises(ValueError, match="kvlab.planner.theory"):
             theory.breakdown(toy.config, **point, **other)
+    # a sliding window (Mistral-7B v0.1's), under every design the lesson's walk follows
+    sliding = build_config("mistral-7b", ["sliding_window=4096"])
+    for cache in theory.WALKED:
+        with pytest.raises(ValueError, match="sliding-window attention: kvlab.planner.theory"):
+            theory.breakdown(sliding, **point, cache=cache, loop="v4.42")

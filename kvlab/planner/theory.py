@@ -1,10 +1,11 @@
-"""The analytic peak for any point planned for: kvlab.theory's walk (the lesson's: greedy, one call, CPU and meta)
-extended through its `Run`'s rules (`extend`) and its `CacheWalk` (`DesignWalk`) to kvlab's own designs (list and
-prealloc: kvlab.designs; `Buffers`), beam search and sampling, restarts, 5.x's sliding layers (`Layers`) and
-GPT-OSS's eager attention and experts, and to a CUDA GPU and transformers' exported program. On CUDA the
-kernel SDPA picks adds what it allocates inside (kvlab.cuda_memory.sdpa_terms), every term becomes a block of the
-caching allocator, and cuBLAS's workspace joins once the first matrix product has run. The exported static-cache
-program (kvlab.graphs, runtime export) has phases of its own (`_exported_peak`).
+"""The analytic peak for any point planned for: kvlab.theory's walk (the lesson's: greedy, one generate() call,
+full attention, CPU and meta) extended through a richer `Run` (`PlannedRun`: its rules) and its `CacheWalk`
+(`DesignWalk`) to kvlab's own designs (list and prealloc: kvlab.designs; `Buffers`), beam search and sampling,
+restarts (a second generate() call), kvlab.graphs' runtimes, sliding windows (their masks, 5.x's static and sliding
+layers: `Layers`) and GPT-OSS's eager attention and experts, and to a CUDA GPU and transformers' exported program.
+On CUDA the kernel SDPA picks adds what it allocates inside (kvlab.cuda_memory.sdpa_terms), every term becomes a
+block of the caching allocator, and cuBLAS's workspace joins once the first matrix product has run. The exported
+static-cache program (kvlab.graphs, runtime export) has phases of its own (`_exported_peak`).
 
 The same signatures as kvlab.theory's, with the GPU's architecture (`arch`, kvlab.cuda_memory.ARCHES) beside the
 CPU's threads: `peak_phases`, `phase_terms`, `predict_overhead`, `breakdown`.
@@ -16,7 +17,7 @@ import math
 from dataclasses import dataclass
 from functools import partial
 
-from ..counts import final_kv_bytes, window_tokens
+from ..counts import final_kv_bytes, sliding_windows, window_tokens
 from ..cuda_memory import block, cublas_workspace, reserved_estimate, sdpa_backend, sdpa_terms
 from ..theory import (
     FP32,
@@ -27,12 +28,11 @@ from ..theory import (
     Shape,
     Step,
     attention_inputs,
-    attention_mask,
+    call_steps,
     design_point,
     explained,
     held_through_the_step,
     largest_phase,
-    run_of,
     walk_phases,
 )
 
@@ -52,7 +52,7 @@ def peak_phases(config, threads: int | None = None, arch: str = "hopper", **poin
             terms = _on_cuda(terms, arch, matrix_products_ran=True)
         kv_final = final_kv_bytes(config, s.rows, p["prompt"] + p["new"], p["dtype"])
         return sum(terms.values()), where, terms, kv_final, held
-    r = extend(run_of(config, p, threads), p)
+    r = PlannedRun(config, p, threads)
     walk = DesignWalk(r)
     kv_final = final_kv_bytes(config, r.s.rows, r.max_len, p["dtype"])
     return (*largest_phase(_device_phases(r, walk, arch)), kv_final, walk.held_tokens())
@@ -61,7 +61,7 @@ def peak_phases(config, threads: int | None = None, arch: str = "hopper", **poin
 def phase_terms(config, step: int, phase: str, threads: int | None = None, arch: str = "hopper", **point) -> dict:
     """The terms of one phase of one step (`peak_phases` keeps the largest), e.g. a long prompt's attention."""
     p = design_point(point)
-    r = extend(run_of(config, p, threads), p)
+    r = PlannedRun(config, p, threads)
     return terms_at(_device_phases(r, DesignWalk(r), arch), step, phase)
 
 
@@ -150,13 +150,31 @@ def _exported_peak(s: Shape, prompt: int, new: int):
     return best[0], best[1], best[2], [last] * s.layers
 
 
-def extend(r: Run, p: dict) -> Run:
-    """`r`, the `Run` of point `p`, walked with the planner's rules: kvlab.theory's, and kvlab's own designs (their
-    options from `p`), beams, sampling, restarts, 5.x's sliding layers and GPT-OSS's eager attention and experts."""
-    r.phases, r.held, r.previous = _phases, _held_through_the_step, _previous_locals
-    r.mask, r.inputs, r.sliding_layers = _mask, _attention_inputs, Layers
-    r.chunk_limit, r.block_tokens = p["chunk_limit"], p["block_tokens"]
-    return r
+class PlannedRun(Run):
+    """kvlab.theory's `Run` of point `p`, walked with the planner's rules (kvlab.theory's, and kvlab's own designs,
+    beams, sampling, restarts and GPT-OSS's eager attention and experts), and what the lesson's walk leaves out: kvlab's
+    own designs' options, a restart, kvlab.graphs' runtime and the config's sliding windows."""
+
+    def __init__(self, config, p: dict, threads: int | None):
+        super().__init__(config, p, threads)
+        self.phases, self.held, self.previous, self.inputs = (
+            _phases,
+            _held_through_the_step,
+            _previous_locals,
+            _attention_inputs,
+        )
+        self.chunk_limit, self.block_tokens = p["chunk_limit"], p["block_tokens"]
+        self.runtime, self.restart_from, self.restart_new = p["runtime"], p["restart_from"], p["restart_new"]
+        self.max_len = self.prompt + self.new + self.restart_new  # the restart's tokens too
+        self.static_len = self.max_len - 1
+        self.held_after_first = self.prompt + self.new - 1  # tokens of the first call's cache: the caller's tuple
+        self.windows = windows = sliding_windows(config)
+        self.window = next((w for w in windows if w), None)  # the sliding mask's (one for every sliding layer)
+        self.last_window, self.has_full = windows[-1], None in windows
+        self.mask_rows = self.s.rows if self.passes_mask else 1
+        # 5.x's StaticCache gives a sliding layer min(W, length) slots; empty where no layer is shorter.
+        static = [min(w or self.static_len, self.static_len) for w in windows] if self.cache == "static" else []
+        self.static_windows = static if any(w != self.static_len for w in static) else []
 
 
 class Buffers:
@@ -196,41 +214,94 @@ class Buffers:
 
 @dataclass
 class DesignStep(Step):
-    """kvlab.theory's `Step`, and what kvlab's own designs do in its update."""
+    """kvlab.theory's `Step`, and the restart's call, a sliding layer's keys and what kvlab's own designs do in its
+    update."""
 
+    call: int = 0  # 0: the first generate() call; 1: the restart's
+    first_of_call: bool = False
+    seen: int = 0  # keys a sliding layer attends to (every key on a full-attention model)
     transient: int = 0  # prealloc: tokens of one layer's buffer copied aside during the update
     chunks: int = 0  # list: chunks per layer after the update
     consolidated: bool = False  # list: this update joined the chunks into one
 
+    def where(self, phase: str) -> str:
+        """kvlab.theory's, a restart's step named so."""
+        return f"step {self.index} ({'restart ' if self.call else ''}{phase})"
+
 
 class DesignWalk(CacheWalk):
-    """kvlab.theory's walk, and kvlab's own designs: prealloc's buffers (`Buffers`), the list's chunk count."""
+    """kvlab.theory's walk, and a restart's second call, the sliding layers' storage (5.x's dynamic `Layers`, its
+    static cache's shorter buffers) and kvlab's own designs: prealloc's buffers (`Buffers`), the list's chunk
+    count."""
 
-    def __init__(self, run: Run):
+    def __init__(self, run: PlannedRun):
         super().__init__(run)
+        # 5.x's dynamic cache on a sliding or hybrid config: each layer's storage walked step by step.
+        sliding = run.windows if run.cache == "dynamic" and run.release.major == 5 else []
+        self.layers = Layers(list(sliding)) if any(sliding) else None
         self.buffers = Buffers(run.windows, run.block_tokens) if run.cache == "prealloc" else None
-        self.chunks = self.transient = 0
+        self.chunks = self.transient = self.call = self.seen = 0
 
-    def _advance(self, index: int, call: int, fed: int, before: int, after: int) -> DesignStep:
-        self.transient, consolidated = 0, False
-        step = super()._advance(index, call, fed, before, after)  # prealloc's buffers: `_storage`
-        if self.run.cache == "list":
+    def steps(self):
+        for index, (call, fed, before, after) in enumerate(_calls(self.run)):
+            self.call = call
+            yield self._advance(index, fed, before, after)
+
+    def _advance(self, index: int, fed: int, before: int, after: int) -> DesignStep:
+        r, consolidated = self.run, False
+        self.transient, self.seen = 0, after
+        step = super()._advance(index, fed, before, after)  # the storage, `seen` and `transient`: `_storage`
+        if r.cache == "list":
             self.chunks = 1 if index == 0 else self.chunks + 1
-            if self.chunks >= self.run.chunk_limit:
+            if self.chunks >= r.chunk_limit:
                 self.chunks, consolidated = 1, True
-        return DesignStep(**vars(step), transient=self.transient, chunks=self.chunks, consolidated=consolidated)
+        mask = _mask(r, fed, self.seen, step.keys)  # step.keys: what a full layer attends to
+        return DesignStep(
+            **{
+                **vars(step),
+                # convert: the caller's tuple stays referenced while the copied cache object grows
+                "old_tuple": r.s.kv(before) if r.runtime == "convert" else step.old_tuple,
+                "keys": self.seen if r.last_window else step.keys,
+                "mask": mask,
+                "masked": bool(mask and fed > 1 and r.last_window),  # more than one query past the window
+            },
+            call=self.call,
+            first_of_call=index == 0 or (self.call == 1 and before == r.held_after_first),
+            seen=self.seen,
+            transient=self.transient,
+            chunks=self.chunks,
+            consolidated=consolidated,
+        )
 
     def _storage(self, index: int, fed: int, before: int, after: int) -> tuple:
-        if self.buffers is None:
-            return super()._storage(index, fed, before, after)
-        last_slots = self.buffers.storage[-1]
-        self.transient = self.buffers.update(fed, before)
-        seen = window_tokens(self.run.window, after, fed)  # a sliding layer: its kept window + fed
-        held_after = 2 * self.run.s.t * sum(self.buffers.storage)
-        return held_after, before, seen, self.buffers.storage[-1] - last_slots
+        r = self.run
+        if self.buffers is not None:
+            last_slots = self.buffers.storage[-1]
+            self.transient = self.buffers.update(fed, before)
+            self.seen = window_tokens(r.window, after, fed)  # a sliding layer: its kept window + fed
+            return 2 * r.s.t * sum(self.buffers.storage), before, self.buffers.storage[-1] - last_slots
+        if self.layers is not None:
+            old_last = self.layers.storage[-1]
+            self.layers.update(fed)
+            if r.window:
+                self.seen = self.layers.storage[r.windows.index(r.window)]
+            return 2 * r.s.t * sum(self.layers.storage), old_last, self.layers.storage[-1] - old_last
+        if r.static_windows:  # each layer allocates its whole buffers at its first update
+            return 2 * r.s.t * sum(r.static_windows), before, r.static_windows[-1] if index == 0 else 0
+        return super()._storage(index, fed, before, after)
 
     def held_tokens(self) -> list:
-        return list(self.buffers.storage) if self.buffers else super().held_tokens()
+        """Tokens each layer's storage holds at the end (sliding layers plateau at the window, the rest grow)."""
+        storage = self.buffers or self.layers
+        return list(storage.storage) if storage else self.run.static_windows or super().held_tokens()
+
+
+def _calls(r: PlannedRun) -> list:
+    """(call, tokens fed, cache length before, after) for every forward: the first generate() call's, then the
+    restart's, one token a step."""
+    first = [(0, *step) for step in call_steps(r.prompt, r.new)]
+    length = first[-1][-1] if first else 0
+    return first + [(1, 1, length + i, length + i + 1) for i in range(r.restart_new)]
 
 
 class Layers:
@@ -260,11 +331,15 @@ class Layers:
         return peak
 
 
-def _mask(r: Run, fed: int, seen: int, full_seen: int) -> dict:
-    """kvlab.theory's mask; eager attention (GPT-OSS) gets one per layer type at every step, in the model's dtype."""
+def _mask(r: PlannedRun, fed: int, seen: int, full_seen: int) -> dict:
+    """The attention mask a forward builds, alive until the decoder stack returns (before the lm_head). SDPA gets
+    one only past a sliding window (else its is_causal shortcut needs none): a bool per (query, key). Eager attention
+    (GPT-OSS) gets one per layer type at every step, in the model's dtype."""
     s = r.s
     if not s.eager:
-        return attention_mask(r, fed, seen, full_seen)
+        return (
+            {"sliding-window attention mask (bool)": r.mask_rows * fed * seen} if r.window and seen >= r.window else {}
+        )
     return {
         "attention masks (model dtype)": s.rows * fed * s.e * (full_seen * r.has_full + seen * (r.window is not None))
     }
@@ -376,10 +451,38 @@ def _beam_reorder_phase(r: Run, walk: CacheWalk, step: Step) -> dict | None:
     return terms
 
 
-# kvlab.theory's phases with the planner's update and MLP and beam scoring (beam reorder comes last: `_phases`);
-# eager attention (GPT-OSS) has no rotary phase of its own walked (it rotates halves; its attention peaks later),
-# no output projection or mask phase of SDPA's.
-PLANNER_PHASES = {**PHASES, "update": _update_phase, "mlp": _mlp_phase, "beam scoring": _beam_scoring_phase}
+def _mask_phase(r: PlannedRun, step: DesignStep) -> dict | None:
+    """Before the first layer (SDPA past a sliding window): masking_utils.sdpa_mask builds the mask from the window
+    and causal conditions (one bool of fed x keys each, then their intersection), then intersects it with the
+    padding mask, one row per sequence. On a long prompt this is the forward's peak, with nothing but the
+    embeddings beside it (and the cache from before the forward)."""
+    if not step.mask:
+        return None
+    s, fed, seen = r.s, step.fed, step.seen
+    return {
+        "cache before the forward": 0 if r.tuple_cache else step.held_before,
+        "old tuple still referenced": step.old_tuple,
+        "embeddings": s.rows * fed * s.hidden * s.e,
+        "sliding-window mask being built (bool)": max(3, 1 + r.mask_rows) * fed * seen,
+        "query and key positions (int64)": (fed + seen) * INT64,
+    }
+
+
+# kvlab.theory's phases in their order, with the planner's update and MLP, the mask built before the first layer
+# (after the last layer's attention: the order ties are broken in) and beam scoring (beam reorder comes last:
+# `_phases`); eager attention (GPT-OSS) has no rotary phase of its own walked (it rotates halves; its attention
+# peaks later), no output projection or mask phase of SDPA's.
+PLANNER_PHASES = {
+    "rotary": PHASES["rotary"],
+    "update": _update_phase,
+    "attention": PHASES["attention"],
+    "output projection": PHASES["output projection"],
+    "mask": _mask_phase,
+    "mlp": _mlp_phase,
+    "lm_head": PHASES["lm_head"],
+    "next-token logits": PHASES["next-token logits"],
+    "beam scoring": _beam_scoring_phase,
+}
 EAGER_PHASES = {
     **PLANNER_PHASES,
     **dict.fromkeys(("rotary", "output projection", "mask"), lambda r, step: None),
