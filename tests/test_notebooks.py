@@ -365,6 +365,9 @@ def test_the_budget_figure_states_which_designs_fit():
     )
 
 
+LESSONS_CODE_LINES = 3000  # issue 40: the lessons' modules and all they import, in lines
+
+
 def test_lessons_01_to_03_climb_through_the_lessons_floor_only():
     """What a reader of lessons 01-03 climbs through (their kvlab imports, with what those import in turn, imports
     inside functions included: scripts/lesson_closure.py) holds no module of the planner or the machinery."""
@@ -377,7 +380,11 @@ def test_lessons_01_to_03_climb_through_the_lessons_floor_only():
     modules = closure.closure(set().union(*(closure.notebook_imports(path) for path in lessons)))
     assert "kvlab.loops" in modules and "kvlab.meter" in modules  # the walk sees through the lessons' imports
     above = ("lab", "planner", "savers", "waste", "explain", "graphs", "encdec", "timing", "compare", "cli", "designs")
+    above += ("catalogue", "releases")  # the real models beyond the lessons' presets; the old releases' runner
     assert sorted(m for m in modules if m.split(".")[1:2] and m.split(".")[1] in above) == []
+    # issue 40's budget: what a reader climbs through stays a short course's worth of code
+    lines = sum(len(closure.module_file(module).read_text().splitlines()) for module in modules)
+    assert lines <= LESSONS_CODE_LINES, f"lessons 01-03 climb through {lines:,} lines of kvlab"
     # kvlab's own designs (list, prealloc) and their theory live above the lessons: no module they climb defines them
     moved = {"ListLayer", "PreallocLayer", "WindowLayer", "Buffers", "DesignWalk"}
     defined = {
